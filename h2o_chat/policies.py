@@ -1,0 +1,147 @@
+"""Eviction policies: which cached slots a layer keeps once it is over budget.
+
+Each policy is one small class behind one interface. The cache layer hands a policy the
+accumulated attention scores of its evictable (unpinned) slots, in temporal order, and the
+policy answers with the indices to keep. Adding a policy never touches the cache code.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+
+class EvictionPolicy:
+    """Interface: ``capacity`` evictable slots are kept at rest; ``keep`` picks them."""
+
+    name: ClassVar[str]
+    # Policies that rank slots by attention mass make the attention function compute
+    # explicit softmax probabilities; the others can use the fused sdpa kernel.
+    needs_scores: ClassVar[bool] = False
+
+    @property
+    def capacity(self) -> int | None:
+        """Evictable slots kept per KV head at rest; ``None`` means unbounded."""
+        raise NotImplementedError
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        """Indices of the slots to keep, ascending.
+
+        ``scores`` is ``(batch, kv_heads, n)`` with ``n > capacity``, oldest slot first.
+        Returns either ``(capacity,)`` (same slots for every head) or
+        ``(batch, kv_heads, capacity)``.
+        """
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, int | str]:
+        return {"policy": self.name}
+
+
+def _window(n: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
+    """The first ``sink`` and the last ``recent`` of ``n`` slots, ascending."""
+    return torch.cat(
+        [torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)]
+    )
+
+
+class FullPolicy(EvictionPolicy):
+    name = "full"
+
+    @property
+    def capacity(self) -> int | None:
+        return None
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the full policy never evicts")
+
+
+class RecentPolicy(EvictionPolicy):
+    """A sliding window over the newest tokens."""
+
+    name = "recent"
+
+    def __init__(self, recent: int) -> None:
+        self.recent = recent
+
+    @property
+    def capacity(self) -> int:
+        return self.recent
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        return _window(scores.shape[-1], 0, self.recent, scores.device)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"policy": self.name, "recent": self.recent}
+
+
+class SinkPolicy(EvictionPolicy):
+    """StreamingLLM: the first ``sink`` tokens (attention sinks) plus a recent window."""
+
+    name = "sink"
+
+    def __init__(self, sink: int, recent: int) -> None:
+        self.sink, self.recent = sink, recent
+
+    @property
+    def capacity(self) -> int:
+        return self.sink + self.recent
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        return _window(scores.shape[-1], self.sink, self.recent, scores.device)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"policy": self.name, "sink": self.sink, "recent": self.recent}
+
+
+class H2OPolicy(EvictionPolicy):
+    """Heavy-Hitter Oracle: sink + recent window + the ``heavy`` highest-scored of the rest."""
+
+    name = "h2o"
+    needs_scores = True
+
+    def __init__(self, heavy: int, recent: int, sink: int = 0) -> None:
+        self.heavy, self.recent, self.sink = heavy, recent, sink
+
+    @property
+    def capacity(self) -> int:
+        return self.sink + self.heavy + self.recent
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        n = scores.shape[-1]
+        window = _window(n, self.sink, self.recent, scores.device)
+        window = window.expand(*scores.shape[:-1], -1)
+        middle = scores[..., self.sink : n - self.recent]
+        # A stable sort makes ties (e.g. slots that never received attention) keep the
+        # older slot, so the choice is deterministic and matches the reference rule.
+        order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
+        heavy = order[..., : self.heavy] + self.sink
+        return torch.cat([window, heavy], dim=-1).sort(dim=-1).values
+
+    def describe(self) -> dict[str, int | str]:
+        return {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (FullPolicy, H2OPolicy, RecentPolicy, SinkPolicy)
+}
+
+
+def make_policy(name: str, *, heavy: int = 0, recent: int = 0, sink: int = 0) -> EvictionPolicy:
+    """Build a policy by name; budgets that a policy does not use are ignored."""
+    if name not in POLICIES:
+        raise ValueError(f"cache policy {name!r} is unknown; allowed: {', '.join(POLICIES)}")
+    for field, value in (("heavy", heavy), ("recent", recent), ("sink", sink)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"cache.{field} = {value!r}: must be an integer >= 0")
+    if name == "full":
+        return FullPolicy()
+    if name == "h2o":
+        if heavy + recent < 1:
+            raise ValueError("cache.heavy + cache.recent must be >= 1 for the h2o policy")
+        return H2OPolicy(heavy=heavy, recent=recent, sink=sink)
+    if recent < 1:
+        raise ValueError(f"cache.recent = {recent}: must be >= 1 for the {name} policy")
+    if name == "recent":
+        return RecentPolicy(recent=recent)
+    return SinkPolicy(sink=sink, recent=recent)
