@@ -143,6 +143,13 @@ class H2OLayer(CacheLayerMixin):
 
     def mark_padding(self, new_slots_valid: torch.Tensor) -> None:
         """Record which of the just-added slots are real tokens, ``(batch, new)`` bool."""
+        if self.policy.capacity is not None and not bool(new_slots_valid.all()):
+            # Padding slots would take budget from real tokens unevenly across rows, so a
+            # padded batch could not equal its rows run alone.
+            raise ValueError(
+                f"padded batches are not supported with the {self.policy.name} policy: "
+                "feed prompts of equal length, or one at a time (this cache must be discarded)"
+            )
         new = new_slots_valid.shape[-1]
         self.valid[..., -new:] = new_slots_valid[:, None, :]
         self.has_padding = self.has_padding or not bool(new_slots_valid.all())

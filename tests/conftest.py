@@ -1,0 +1,39 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import h2o_chat  # noqa: F401  (registers the h2o attention)
+from h2o_chat.attention import ATTENTION_NAME
+
+from .reference import register_reference
+
+register_reference()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A random-weight Llama with GQA (4 query heads share 2 KV heads): fast and exact."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attn_implementation=ATTENTION_NAME,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct, loaded once for the whole run."""
+    from h2o_chat.loading import load_model
+
+    return load_model()

@@ -1,0 +1,108 @@
+"""A plain reference implementation of the eviction rule, written for clarity, not speed.
+
+It keeps every key and value (a stock ``DynamicCache``) and a per-(layer, row, KV head)
+list of alive positions; attention is computed over all positions with the dead ones
+masked out, and the rule is applied with Python lists and ``sorted``. The engine must
+keep the same positions and produce the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+REFERENCE_NAME = "h2o_reference"
+
+
+class ReferenceRule:
+    """State of the rule: alive flags and accumulated scores, per layer."""
+
+    def __init__(self, heavy: int, recent: int, sink: int, protected: tuple[int, int] | None = None):
+        self.heavy, self.recent, self.sink = heavy, recent, sink
+        self.protected = protected
+        self.alive: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) bool
+        self.score: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) float32
+
+    def is_protected(self, position: int) -> bool:
+        return self.protected is not None and self.protected[0] <= position < self.protected[1]
+
+    def kept_positions(self, layer: int) -> list[list[list[int]]]:
+        alive = self.alive[layer]
+        return [
+            [[p for p in range(alive.shape[-1]) if alive[b, h, p]] for h in range(alive.shape[1])]
+            for b in range(alive.shape[0])
+        ]
+
+    def attend(self, layer: int, query, key, value, mask, scaling):
+        batch, q_heads, q_len, _ = query.shape
+        kv_heads, total = key.shape[1], key.shape[2]
+        groups = q_heads // kv_heads
+        grow = total - (self.alive[layer].shape[-1] if layer in self.alive else 0)
+        new_alive = torch.ones(batch, kv_heads, grow, dtype=torch.bool)
+        new_score = torch.zeros(batch, kv_heads, grow)
+        self.alive[layer] = torch.cat([self.alive.get(layer, new_alive[..., :0]), new_alive], -1)
+        self.score[layer] = torch.cat([self.score.get(layer, new_score[..., :0]), new_score], -1)
+
+        # Standard causal mask over absolute positions, and dead slots masked for each head.
+        if mask is None:
+            visible = torch.ones(q_len, total, dtype=torch.bool).tril(total - q_len)[None, None]
+        else:
+            visible = mask
+        visible = visible & self.alive[layer].repeat_interleave(groups, dim=1)[:, :, None, :]
+        keys = key.repeat_interleave(groups, dim=1).float()
+        values = value.repeat_interleave(groups, dim=1).float()
+        logits = (query.float() @ keys.transpose(-1, -2)) * scaling
+        logits = logits.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        output = (probs @ values).transpose(1, 2).to(query.dtype)
+
+        received = probs.view(batch, kv_heads, groups, q_len, total).sum(dim=(2, 3))
+        self.score[layer] += received * self.alive[layer]
+        self.evict(layer)
+        return output.contiguous(), probs
+
+    def evict(self, layer: int) -> None:
+        alive, score = self.alive[layer], self.score[layer]
+        budget = self.sink + self.heavy + self.recent
+        for b in range(alive.shape[0]):
+            for h in range(alive.shape[1]):
+                candidates = [
+                    p for p in range(alive.shape[-1]) if alive[b, h, p] and not self.is_protected(p)
+                ]
+                if len(candidates) <= budget:
+                    continue
+                keep = set(candidates[: self.sink]) | set(candidates[len(candidates) - self.recent :])
+                middle = candidates[self.sink : len(candidates) - self.recent]
+                by_score = sorted(middle, key=lambda p: (-float(score[b, h, p]), p))
+                keep |= set(by_score[: self.heavy])
+                for p in candidates:
+                    if p not in keep:
+                        alive[b, h, p] = False
+                        score[b, h, p] = 0.0
+
+
+_active_rule: list[ReferenceRule] = []
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return _active_rule[0].attend(module.layer_idx, query, key, value, attention_mask, scaling)
+
+
+def register_reference() -> None:
+    AttentionInterface.register(REFERENCE_NAME, _reference_attention)
+    AttentionMaskInterface.register(REFERENCE_NAME, sdpa_mask)
+
+
+class use_rule:
+    """Context manager: route the reference attention to ``rule``."""
+
+    def __init__(self, rule: ReferenceRule):
+        self.rule = rule
+
+    def __enter__(self):
+        _active_rule.append(self.rule)
+        return self.rule
+
+    def __exit__(self, *exc):
+        _active_rule.remove(self.rule)

@@ -1,0 +1,293 @@
+"""Config loading and validation: defaults, every kind of bad value, overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import pytest
+import yaml
+
+from h2o_chat.config import (
+    DEFAULT_CONFIG_PATH,
+    AppConfig,
+    CacheConfig,
+    ConfigError,
+    GenerationConfig,
+    load_config,
+    validate,
+)
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error_for(tmp_path, text: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    return info.value
+
+
+# --- defaults ---------------------------------------------------------------------------
+
+
+def test_default_file_equals_dataclass_defaults():
+    assert load_config() == AppConfig()
+
+
+def test_default_file_states_every_field_with_its_default():
+    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text(encoding="utf-8"))
+    defaults = AppConfig()
+    assert set(raw) == {f.name for f in dataclasses.fields(AppConfig)}
+    for section_name, values in raw.items():
+        section = getattr(defaults, section_name)
+        assert set(values) == {f.name for f in dataclasses.fields(section)}, section_name
+        for key, value in values.items():
+            assert value == getattr(section, key), f"{section_name}.{key}"
+
+
+def test_validate_accepts_defaults_built_in_code():
+    assert validate(AppConfig()) == AppConfig()
+
+
+def test_empty_file_and_missing_keys_keep_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == AppConfig()
+    config = load_config(write(tmp_path, "cache:\n  heavy: 16\ngeneration:\n"))
+    assert config.cache == CacheConfig(heavy=16)
+    assert config.generation == GenerationConfig()
+
+
+def test_int_is_accepted_for_float_field(tmp_path):
+    config = load_config(write(tmp_path, "generation:\n  temperature: 1\n  top_p: 1\n"))
+    assert config.generation.temperature == 1.0
+    assert isinstance(config.generation.temperature, float)
+
+
+def test_nullable_fields_accept_null_and_values(tmp_path):
+    config = load_config(
+        write(tmp_path, "model:\n  quantization: 4bit\n  threads: 2\ngeneration:\n  seed: 0\n")
+    )
+    assert (config.model.quantization, config.model.threads, config.generation.seed) == (
+        "4bit",
+        2,
+        0,
+    )
+
+
+# --- bad values -------------------------------------------------------------------------
+
+
+def test_unknown_key_names_it_and_lists_allowed(tmp_path):
+    err = error_for(tmp_path, "cache:\n  heavvy: 3\n")
+    assert err.field == "cache.heavvy"
+    assert "cache.heavvy: unknown key" in str(err)
+    assert "allowed: policy, heavy, recent, sink, prefill_chunk_size" in str(err)
+    assert "did you mean 'heavy'" in str(err)
+
+
+def test_unknown_section(tmp_path):
+    err = error_for(tmp_path, "caches:\n  heavy: 3\n")
+    assert "caches: unknown section" in str(err)
+    assert "model, cache, generation, server" in str(err)
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    err = error_for(tmp_path, "cache: 5\n")
+    assert err.field == "cache"
+    assert "expected a mapping" in str(err)
+
+
+def test_top_level_that_is_not_a_mapping(tmp_path):
+    assert "expected a mapping" in str(error_for(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("cache", "heavy", "many", "expected int"),
+        ("cache", "heavy", 1.5, "expected int"),
+        ("generation", "temperature", "hot", "expected float"),
+        ("server", "port", "7860", "expected int"),
+        ("server", "host", 127, "expected str"),
+        ("server", "share", "yes", "expected bool"),
+        ("model", "trust_remote_code", 1, "expected bool"),
+        ("generation", "seed", 1.0, "expected int or null"),
+    ],
+)
+def test_wrong_type(tmp_path, section, key, value, expected):
+    err = error_for(tmp_path, yaml.safe_dump({section: {key: value}}))
+    assert err.field == f"{section}.{key}"
+    assert f"{section}.{key} = {value!r}" in str(err)
+    assert expected in str(err)
+
+
+@pytest.mark.parametrize("section, key", [("cache", "heavy"), ("generation", "max_new_tokens")])
+def test_bool_is_not_an_int(tmp_path, section, key):
+    err = error_for(tmp_path, f"{section}:\n  {key}: true\n")
+    assert err.field == f"{section}.{key}"
+    assert "expected int, got bool" in str(err)
+
+
+def test_bool_is_not_a_float(tmp_path):
+    assert "expected float, got bool" in str(error_for(tmp_path, "generation:\n  top_p: true\n"))
+
+
+@pytest.mark.parametrize(
+    "section, key, value, allowed",
+    [
+        ("cache", "heavy", -3, "must be an integer >= 0"),
+        ("cache", "recent", -1, "must be an integer >= 0"),
+        ("cache", "sink", -1, "must be an integer >= 0"),
+        ("cache", "prefill_chunk_size", 0, "must be an integer >= 1"),
+        ("generation", "max_new_tokens", 0, "from 1 to 32768"),
+        ("generation", "max_new_tokens", 32769, "from 1 to 32768"),
+        ("generation", "temperature", -0.1, "from 0 to 10"),
+        ("generation", "temperature", 10.5, "from 0 to 10"),
+        ("generation", "top_p", 0, "> 0 and <= 1"),
+        ("generation", "top_p", 1.01, "> 0 and <= 1"),
+        ("generation", "seed", -1, ">= 0, or null"),
+        ("model", "threads", 0, ">= 1, or null"),
+        ("model", "dtype", "float64", "auto, float32, bfloat16, float16"),
+        ("model", "device", "tpu", "cpu, cuda, auto"),
+        ("model", "quantization", "2bit", "4bit, 8bit, or null"),
+        ("server", "port", 0, "from 1 to 65535"),
+        ("server", "port", 65536, "from 1 to 65535"),
+        ("server", "host", "", "non-empty"),
+    ],
+)
+def test_out_of_range(tmp_path, section, key, value, allowed):
+    err = error_for(tmp_path, yaml.safe_dump({section: {key: value}}))
+    assert err.field == f"{section}.{key}"
+    assert f"{section}.{key} = {value!r}: " in str(err)
+    assert allowed in str(err)
+
+
+def test_exact_message_for_negative_heavy(tmp_path):
+    err = error_for(tmp_path, "cache:\n  heavy: -3\n")
+    assert str(err).startswith("cache.heavy = -3: must be an integer >= 0")
+
+
+def test_policy_not_in_set(tmp_path):
+    err = error_for(tmp_path, "cache:\n  policy: lru\n")
+    assert err.field == "cache.policy"
+    assert "cache.policy = 'lru'" in str(err)
+    assert "full, h2o, recent, sink" in str(err)
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "recent", "sink"])
+def test_every_policy_is_accepted(policy):
+    assert load_config(overrides={"cache": {"policy": policy}}).cache.policy == policy
+
+
+def test_h2o_needs_an_evictable_slot():
+    with pytest.raises(ConfigError, match=r"cache\.heavy \+ cache\.recent = 0"):
+        load_config(overrides={"cache": {"policy": "h2o", "heavy": 0, "recent": 0}})
+    # heavy alone or recent alone is enough
+    assert load_config(overrides={"cache": {"heavy": 0, "recent": 1}}).cache.recent == 1
+    assert load_config(overrides={"cache": {"heavy": 1, "recent": 0}}).cache.heavy == 1
+
+
+@pytest.mark.parametrize("policy", ["recent", "sink"])
+def test_window_policies_need_recent(policy):
+    with pytest.raises(ConfigError, match=r"cache\.recent = 0") as info:
+        load_config(overrides={"cache": {"policy": policy, "recent": 0}})
+    assert info.value.field == "cache.recent"
+
+
+def test_full_policy_ignores_budget():
+    config = load_config(overrides={"cache": {"policy": "full", "heavy": 0, "recent": 0}})
+    assert config.cache.policy == "full"
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "cache:\n  heavy: 3\n  recent: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "invalid YAML" in message
+    assert f"{path}:4:" in message  # the flow sequence is left open at the end of the file
+
+
+def test_invalid_yaml_indentation_line(tmp_path):
+    path = write(tmp_path, "cache:\n  heavy: 3\n    recent: 4\n")
+    with pytest.raises(ConfigError, match=rf"{str(path)!s}:3:"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = write(tmp_path, "cache:\n  heavy: -3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_validate_checks_configs_built_in_code():
+    config = AppConfig()
+    config.cache.heavy = -3
+    with pytest.raises(ConfigError, match=r"^cache\.heavy = -3: must be an integer >= 0$"):
+        validate(config)
+    config = AppConfig(generation=GenerationConfig(temperature=0))
+    validated = validate(config)
+    assert validated.generation.temperature == 0.0
+    assert isinstance(validated.generation.temperature, float)
+
+
+def test_validate_rejects_wrong_section_type():
+    with pytest.raises(ConfigError, match="cache: expected CacheConfig"):
+        validate(AppConfig(cache={"heavy": 3}))  # type: ignore[arg-type]
+
+
+# --- overrides --------------------------------------------------------------------------
+
+
+def test_overrides_apply_on_top_of_file(tmp_path):
+    path = write(tmp_path, "cache:\n  heavy: 8\n  recent: 8\ngeneration:\n  seed: 1\n")
+    config = load_config(
+        path, overrides={"cache": {"recent": 32}, "server": {"port": 8080}}
+    )
+    assert config.cache == CacheConfig(heavy=8, recent=32)
+    assert config.generation.seed == 1
+    assert config.server.port == 8080
+
+
+def test_overrides_on_default_file():
+    config = load_config(overrides={"generation": {"temperature": 0, "max_new_tokens": 16}})
+    assert config.generation.temperature == 0.0
+    assert config.generation.max_new_tokens == 16
+    assert config.cache == CacheConfig()
+
+
+def test_override_can_fix_a_bad_file_value(tmp_path):
+    path = write(tmp_path, "cache:\n  heavy: -3\n")
+    assert load_config(path, overrides={"cache": {"heavy": 3}}).cache.heavy == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"cache": {"heavvy": 1}}, "cache.heavvy"),
+        ({"cachee": {"heavy": 1}}, "cachee"),
+        ({"cache": {"heavy": -1}}, "cache.heavy"),
+        ({"server": {"port": True}}, "server.port"),
+        ({"cache": {"policy": "lru"}}, "cache.policy"),
+    ],
+)
+def test_bad_overrides_are_rejected(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert info.value.field == field
+    assert field in str(info.value)
+    assert "overrides" in str(info.value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,229 @@
+"""The engine against a plain reference of the eviction rule, and against stock transformers."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_chat import make_cache
+from h2o_chat.attention import ATTENTION_NAME
+
+from .reference import REFERENCE_NAME, ReferenceRule, use_rule
+
+
+def feed(model, cache, ids, chunk):
+    """Feed ``ids`` through ``model`` in chunks; return the logits of every token."""
+    with torch.no_grad():
+        return torch.cat(
+            [model(c, past_key_values=cache, use_cache=True).logits for c in ids.split(chunk, dim=1)], dim=1
+        )
+
+
+def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None):
+    """Prefill ``prompt`` in chunks, then decode greedily for ``steps`` tokens with the
+    engine, feeding the reference the same tokens. Returns both logits and the caches."""
+    cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink)
+    if protected:
+        cache.protect(*protected)
+    rule = ReferenceRule(heavy, recent, sink, protected)
+    reference_cache = DynamicCache(config=model.config)
+    engine_logits = [feed(model, cache, prompt, chunk)]
+    model.set_attn_implementation(REFERENCE_NAME)
+    try:
+        with use_rule(rule):
+            reference_logits = [feed(model, reference_cache, prompt, chunk)]
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    for _ in range(steps):
+        token = engine_logits[-1][:, -1:].argmax(-1)
+        engine_logits.append(feed(model, cache, token, 1))
+        model.set_attn_implementation(REFERENCE_NAME)
+        try:
+            with use_rule(rule):
+                reference_logits.append(feed(model, reference_cache, token, 1))
+        finally:
+            model.set_attn_implementation(ATTENTION_NAME)
+    return torch.cat(engine_logits, 1), torch.cat(reference_logits, 1), cache, rule
+
+
+def assert_same_positions(cache, rule):
+    for index, layer in enumerate(cache.stats().layers):
+        assert layer.positions.tolist() == rule.kept_positions(index), f"layer {index}"
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 200])
+def test_tiny_model_matches_reference_rule(tiny_model, chunk):
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 128, (1, 90))
+    engine, reference, cache, rule = run_engine_and_reference(
+        tiny_model, prompt, steps=60, chunk=chunk, heavy=10, recent=6, sink=2
+    )
+    torch.testing.assert_close(engine, reference, rtol=1e-4, atol=1e-4)
+    assert_same_positions(cache, rule)
+    assert cache.stats().held == 18 and cache.stats().seen == 150
+
+
+def test_batch_rows_and_heads_evict_independently(tiny_model):
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 128, (2, 50))
+    engine, reference, cache, rule = run_engine_and_reference(
+        tiny_model, prompt, steps=30, chunk=8, heavy=8, recent=4, sink=1
+    )
+    torch.testing.assert_close(engine, reference, rtol=1e-4, atol=1e-4)
+    assert_same_positions(cache, rule)
+
+
+def test_protected_span_is_never_evicted_and_not_counted(tiny_model):
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 128, (1, 70))
+    engine, reference, cache, rule = run_engine_and_reference(
+        tiny_model, prompt, steps=40, chunk=16, heavy=6, recent=6, sink=0, protected=(20, 30)
+    )
+    torch.testing.assert_close(engine, reference, rtol=1e-4, atol=1e-4)
+    assert_same_positions(cache, rule)
+    stats = cache.stats()
+    assert stats.pinned == 10 and stats.held == 22 and stats.budget == 22
+    for layer in stats.layers:
+        for row in layer.positions.tolist():
+            for head in row:
+                assert set(range(20, 30)) <= set(head)
+
+
+def test_real_model_matches_reference_rule(smollm):
+    model, tokenizer = smollm
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    prompt = tokenizer(text, return_tensors="pt").input_ids[:, :120]
+    engine, reference, cache, rule = run_engine_and_reference(
+        model, prompt, steps=50, chunk=32, heavy=24, recent=24, sink=4
+    )
+    torch.testing.assert_close(engine, reference, rtol=1e-3, atol=1e-3)
+    assert_same_positions(cache, rule)
+    # Per-head choice is the point of H2O: trained heads do not all keep the same tokens.
+    layers = cache.stats().layers
+    assert any(not torch.equal(l.positions[0, 0], l.positions[0, h]) for l in layers for h in range(3))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_full_policy_equals_stock_dynamic_cache(tiny_model, chunk):
+    torch.manual_seed(4)
+    ids = torch.randint(0, 128, (1, 64))
+    tiny_model.set_attn_implementation("sdpa")
+    try:
+        stock = feed(tiny_model, DynamicCache(config=tiny_model.config), ids, 64)
+    finally:
+        tiny_model.set_attn_implementation(ATTENTION_NAME)
+    ours = feed(tiny_model, make_cache(tiny_model, "full"), ids, chunk)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "recent", "sink"])
+def test_chunked_prefill_under_budget_equals_one_shot(tiny_model, policy):
+    # A budget larger than the prompt evicts nothing, so chunking must not change logits:
+    # this fails if the mask lets a chunk see its own future tokens.
+    torch.manual_seed(5)
+    ids = torch.randint(0, 128, (1, 80))
+    budgets = dict(heavy=100, recent=100, sink=4)
+    one_shot = feed(tiny_model, make_cache(tiny_model, policy, **budgets), ids, 80)
+    chunked = feed(tiny_model, make_cache(tiny_model, policy, **budgets), ids, 13)
+    torch.testing.assert_close(chunked, one_shot, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "policy, budgets, kept",
+    [
+        ("recent", dict(recent=5), list(range(35, 40))),
+        ("sink", dict(sink=2, recent=5), [0, 1] + list(range(35, 40))),
+    ],
+)
+def test_window_policies_keep_the_window(tiny_model, policy, budgets, kept):
+    cache = make_cache(tiny_model, policy, **budgets)
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 40)), 9)
+    for layer in cache.stats().layers:
+        assert layer.positions[0, 0].tolist() == kept
+
+
+def test_stock_generate_greedy_and_sampled_stay_bounded(tiny_model):
+    ids = torch.randint(1, 128, (1, 300))  # no pad token (0): generate would infer padding
+    for sample in (False, True):
+        cache = make_cache(tiny_model, "h2o", heavy=16, recent=16, sink=2)
+        out = tiny_model.generate(
+            ids, past_key_values=cache, prefill_chunk_size=64, max_new_tokens=40,
+            do_sample=sample, pad_token_id=0,
+        )
+        stats = cache.stats()
+        assert out.shape[1] == 340
+        # The last sampled token is returned, not fed: seen = prompt + 39.
+        assert stats.seen == 339 and stats.held == 34 == stats.budget
+        assert all(layer.held == 34 for layer in stats.layers)
+
+
+def test_generate_matches_manual_greedy_loop(tiny_model):
+    # generate must slice inputs and positions from get_seq_length (tokens seen).
+    ids = torch.randint(0, 128, (1, 100))
+    cache = make_cache(tiny_model, "h2o", heavy=8, recent=8, sink=2)
+    out = tiny_model.generate(ids, past_key_values=cache, prefill_chunk_size=32, max_new_tokens=20, do_sample=False)
+    manual = make_cache(tiny_model, "h2o", heavy=8, recent=8, sink=2)
+    logits = feed(tiny_model, manual, ids, 32)
+    tokens = []
+    for _ in range(20):
+        tokens.append(logits[:, -1:].argmax(-1))
+        logits = feed(tiny_model, manual, tokens[-1], 1)
+    assert out[:, 100:].tolist() == torch.cat(tokens, 1).tolist()
+
+
+def test_peak_cache_size_is_budget_plus_chunk(tiny_model):
+    seen_sizes = []
+    cache = make_cache(tiny_model, "h2o", heavy=32, recent=32, sink=4)
+    layer = cache.layers[0]
+    original = layer.update
+
+    def spy(*args, **kwargs):
+        keys, values = original(*args, **kwargs)
+        seen_sizes.append(keys.shape[-2])
+        return keys, values
+
+    layer.update = spy
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 3000)), 256)  # 10x the budget
+    assert max(seen_sizes) <= 68 + 256
+    assert cache.stats().held == 68 and cache.stats().seen == 3000
+
+
+def test_equal_length_batch_equals_rows_alone(tiny_model):
+    torch.manual_seed(6)
+    ids = torch.randint(0, 128, (2, 60))
+    budgets = dict(heavy=8, recent=8, sink=2)
+    batch = feed(tiny_model, make_cache(tiny_model, "h2o", **budgets), ids, 16)
+    for row in range(2):
+        alone = feed(tiny_model, make_cache(tiny_model, "h2o", **budgets), ids[row : row + 1], 16)
+        torch.testing.assert_close(batch[row : row + 1], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_batch_is_refused_with_eviction_but_fine_with_full(tiny_model):
+    ids = torch.randint(1, 128, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0  # row 1 is left-padded
+    with torch.no_grad(), pytest.raises(ValueError, match="padded batches are not supported"):
+        tiny_model(ids, attention_mask=mask, past_key_values=make_cache(tiny_model, "h2o", heavy=4, recent=4))
+    with torch.no_grad():
+        padded = tiny_model(ids, attention_mask=mask, past_key_values=make_cache(tiny_model, "full")).logits
+        alone = tiny_model(ids[1:, 5:], past_key_values=make_cache(tiny_model, "full")).logits
+    torch.testing.assert_close(padded[1:, 5:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_stats_count_real_bytes(tiny_model):
+    cache = make_cache(tiny_model, "h2o", heavy=8, recent=8)
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 50)), 50)
+    stats = cache.stats()
+    # 3 layers x (keys + values: 2 heads x 16 slots x 16 dims x 4 bytes
+    #            + scores 4 B, positions 8 B, valid 1 B, pinned 1 B per slot and head)
+    assert stats.kv_bytes == 3 * (2 * 2 * 16 * 16 * 4 + 2 * 16 * (4 + 8 + 1 + 1))
+    assert not make_cache(tiny_model, "h2o", heavy=8, recent=8).stats().budget_reached
+    assert stats.budget_reached
+
+
+def test_make_cache_rejects_bad_arguments(tiny_model):
+    with pytest.raises(ValueError, match="allowed: full, h2o, recent, sink"):
+        make_cache(tiny_model, "lru")
+    with pytest.raises(ValueError, match="cache.heavy"):
+        make_cache(tiny_model, "h2o", heavy=-1, recent=4)
+    with pytest.raises(TypeError, match="unknown budget"):
+        make_cache(tiny_model, "h2o", heavvy=4)

@@ -1,0 +1,165 @@
+"""Chat and story sessions on the real embedded model."""
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_chat import ChatSession, StorySession, make_cache
+from h2o_chat.attention import ATTENTION_NAME
+
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
+GREEDY = dict(temperature=0, max_new_tokens=24)
+
+
+def h2o(model, heavy=48, recent=48, sink=4):
+    return make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink)
+
+
+def assert_consistent(session):
+    """Cache and history agree: the cache saw exactly ``tokens[:fed]``."""
+    stats = session.stats()
+    assert stats.cache.seen == session.fed <= len(session.tokens)
+    assert len(session.tokens) - session.fed <= 1  # at most the last sampled token waits
+
+
+def assert_at_rest_within_budget(session):
+    stats = session.stats().cache
+    assert all(layer.held <= stats.budget for layer in stats.layers), (stats.budget, stats.held)
+
+
+def test_first_reply_equals_stock_generate(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=make_cache(model, "full"))
+    reply = "".join(session.send("What is the capital of France?", **GREEDY))
+    prompt = tokenizer.apply_chat_template(session.messages[:-1], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model.generate(ids, past_key_values=DynamicCache(config=model.config), do_sample=False, max_new_tokens=24)
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert reply.strip() and reply == expected
+
+
+def test_three_turn_chat_is_bounded_and_follows_the_template(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    system_tokens = len(session.tokens)
+    for question in ["Name three colours.", "Which of them is the sky?", "Write a sentence about it."]:
+        chunks = []
+        for chunk in session.send(question, **GREEDY):
+            chunks.append(chunk)
+            assert_at_rest_within_budget(session)
+        assert "".join(chunks).strip()
+        assert_consistent(session)
+    stats = session.stats().cache
+    assert stats.seen > stats.budget == 36 + system_tokens == stats.held
+    # The system prompt is protected: every layer and head still holds it.
+    for layer in stats.layers:
+        assert (layer.positions[..., :system_tokens] == torch.arange(system_tokens)).all()
+    # What the session fed is the chat template's rendering of its own history.
+    rendered = tokenizer.apply_chat_template(session.messages, tokenize=False)
+    assert rendered.startswith(tokenizer.decode(session.tokens, skip_special_tokens=False))
+
+
+def test_long_paste_is_chunked_with_peak_bounded(smollm):
+    model, tokenizer = smollm
+    text = BOOK.read_text(encoding="utf-8")
+    paste = tokenizer.decode(tokenizer(text[:20000]).input_ids[:3000])
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=64, recent=64), prefill_chunk_size=256)
+    peaks = []
+    layer = session.cache.layers[0]
+    update = layer.update
+
+    def spy(*args, **kwargs):
+        keys, values = update(*args, **kwargs)
+        peaks.append(keys.shape[-2])
+        return keys, values
+
+    layer.update = spy
+    reply = "".join(session.send(paste + "\n\nWho is speaking in this passage?", temperature=0, max_new_tokens=8))
+    stats = session.stats().cache
+    assert stats.seen > 3000 and reply.strip()
+    assert stats.held == stats.budget == 132 + stats.pinned
+    assert max(peaks) <= stats.budget + 256
+    assert_consistent(session)
+
+
+def test_stop_from_another_thread_keeps_history_and_cache_in_step(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model))
+    stream = session.send("Count from one to one hundred in words.", temperature=0, max_new_tokens=200)
+    received = []
+    for chunk in stream:
+        received.append(chunk)
+        if len(received) == 5:
+            threading.Thread(target=session.stop).start()
+    assert 5 <= len(session.reply) < 200
+    assert session.messages[-1]["content"] == "".join(received)
+    assert_consistent(session)
+    # The next turn works and feeds the pending token first.
+    assert "".join(session.send("Thanks!", **GREEDY)).strip()
+    assert_consistent(session)
+
+
+def test_bad_input_is_refused_and_changes_nothing(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model))
+    before = (list(session.tokens), list(session.messages), session.fed)
+    for bad in ["", "   \n"]:
+        with pytest.raises(ValueError, match="empty"):
+            session.send(bad)
+    for kwargs, field in [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(seed=-3), "seed"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            session.send("hello", **kwargs)
+    assert (session.tokens, session.messages, session.fed) == before
+
+
+def test_seeded_sampling_is_reproducible(smollm):
+    model, tokenizer = smollm
+    replies = [
+        "".join(ChatSession(model, tokenizer, cache=h2o(model)).send("Tell me a fact.", temperature=1.0, top_p=0.9, seed=7, max_new_tokens=16))
+        for _ in range(2)
+    ]
+    assert replies[0] == replies[1] and replies[0].strip()
+
+
+def test_two_sessions_in_two_threads_do_not_mix(smollm):
+    model, tokenizer = smollm
+    questions = {"a": "What is the capital of Italy?", "b": "Give me a word that rhymes with cat."}
+    alone = {k: "".join(ChatSession(model, tokenizer, cache=h2o(model, 8, 8)).send(q, **GREEDY)) for k, q in questions.items()}
+    together = {}
+
+    def run(key):
+        together[key] = "".join(ChatSession(model, tokenizer, cache=h2o(model, 8, 8)).send(questions[key], **GREEDY))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+
+
+def test_story_continues_twice_within_budget(smollm):
+    model, tokenizer = smollm
+    story = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    first = "".join(story.send("Once upon a time, in a quiet village by the sea,", temperature=0, max_new_tokens=40))
+    second = "".join(story.send("", temperature=0, max_new_tokens=40))
+    assert first.strip() and second.strip()
+    assert story.text.startswith("Once upon a time") and story.text.endswith(second)
+    stats = story.stats().cache
+    assert stats.seen > 80 and stats.held == stats.budget == 36
+    assert_consistent(story)
+    with pytest.raises(ValueError, match="empty"):
+        StorySession(model, tokenizer, cache=h2o(model)).send("")
