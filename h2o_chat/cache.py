@@ -45,11 +45,22 @@ class ProtectedSpans:
         return inside
 
 
+_SLOT_TENSORS = ("keys", "values", "scores", "positions", "valid", "pinned")
+
+
 class H2OLayer(CacheLayerMixin):
     """One layer's slots: keys, values, accumulated scores, absolute positions and flags.
 
-    Shapes: keys/values ``(batch, kv_heads, slots, head_dim)``; scores (float32),
-    positions, ``valid`` (False for padding) and ``pinned`` ``(batch, kv_heads, slots)``.
+    Each lives in a preallocated buffer with slots on dim 2; the attributes ``keys``,
+    ``values``, ``scores`` (float32), ``positions``, ``valid`` (False for padding) and
+    ``pinned`` are views of the ``held`` slots in use. Shapes: keys/values
+    ``(batch, kv_heads, held, head_dim)``, the others ``(batch, kv_heads, held)``.
+
+    Slots are not kept in temporal order in memory: an evicted slot is refilled by moving
+    a kept slot from the end, so evicting one token per step moves one slot per head
+    instead of copying the whole cache. Attention does not depend on slot order, new
+    tokens always occupy the last slots during their attention call, and ``positions``
+    gives the temporal order wherever it matters (the policy's view, stats).
     """
 
     is_sliding = False
@@ -61,10 +72,9 @@ class H2OLayer(CacheLayerMixin):
         self.policy = policy
         self.spans = spans
         self.seen = 0
-        self.scores: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        self.pinned: torch.Tensor | None = None
+        self.held = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.scores = self.positions = self.valid = self.pinned = None
         self.has_padding = False  # lets unpadded decoding skip building a mask
 
     # ---- transformers' layer interface -------------------------------------------------
@@ -72,13 +82,17 @@ class H2OLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads = key_states.shape[:2]
-        self.keys = key_states.new_empty((batch, heads, 0, key_states.shape[-1]))
-        self.values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
         slots = (batch, heads, 0)
-        self.scores = torch.zeros(slots, dtype=torch.float32, device=self.device)
-        self.positions = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.valid = torch.ones(slots, dtype=torch.bool, device=self.device)
-        self.pinned = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self._buffers = {
+            "keys": key_states.new_empty((batch, heads, 0, key_states.shape[-1])),
+            "values": value_states.new_empty((batch, heads, 0, value_states.shape[-1])),
+            "scores": torch.zeros(slots, dtype=torch.float32, device=self.device),
+            "positions": torch.zeros(slots, dtype=torch.long, device=self.device),
+            "valid": torch.ones(slots, dtype=torch.bool, device=self.device),
+            "pinned": torch.zeros(slots, dtype=torch.bool, device=self.device),
+        }
+        self.held = 0
+        self._refresh_views()
         self.is_initialized = True
 
     def update(
@@ -90,16 +104,19 @@ class H2OLayer(CacheLayerMixin):
             # The previous call never reached our attention function (an exception in
             # between); evict now so the cache stays bounded regardless.
             self.after_attention(None)
-        batch, heads, new = key_states.shape[:3]
+        new = key_states.shape[2]
+        self._reserve(self.held + new)
+        start, end = self.held, self.held + new
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
-        positions = positions.expand(batch, heads, new)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.scores = torch.cat([self.scores, self.scores.new_zeros((batch, heads, new))], dim=-1)
-        self.positions = torch.cat([self.positions, positions], dim=-1)
-        self.valid = torch.cat([self.valid, self.valid.new_ones((batch, heads, new))], dim=-1)
-        self.pinned = torch.cat([self.pinned, self.spans.contains(positions)], dim=-1)
-        self.seen += new
+        buffers = self._buffers
+        buffers["keys"][:, :, start:end] = key_states
+        buffers["values"][:, :, start:end] = value_states
+        buffers["scores"][:, :, start:end] = 0
+        buffers["positions"][:, :, start:end] = positions
+        buffers["valid"][:, :, start:end] = True
+        buffers["pinned"][:, :, start:end] = self.spans.contains(positions)
+        self.held, self.seen = end, self.seen + new
+        self._refresh_views()
         _awaiting.layer = self
         return self.keys, self.values
 
@@ -108,18 +125,18 @@ class H2OLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        held = self.held
-        return held + query_length, self.seen - held
+        return self.held + query_length, self.seen - self.held
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
+        self._buffers = {}
         self.keys = self.values = None
         self.scores = self.positions = self.valid = self.pinned = None
         self.is_initialized = False
         self.has_padding = False
-        self.seen = 0
+        self.seen = self.held = 0
         if layer_awaiting_attention() is self:
             _awaiting.layer = None
 
@@ -127,19 +144,15 @@ class H2OLayer(CacheLayerMixin):
         raise NotImplementedError("an evicting cache cannot be rolled back (crop)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_buffers(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_buffers(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda t: t[indices, ...])
+        self._map_buffers(lambda t: t[indices, ...])
 
     # ---- H2O ------------------------------------------------------------------------------
-
-    @property
-    def held(self) -> int:
-        return 0 if not self.is_initialized else self.keys.shape[-2]
 
     def mark_padding(self, new_slots_valid: torch.Tensor) -> None:
         """Record which of the just-added slots are real tokens, ``(batch, new)`` bool."""
@@ -166,55 +179,61 @@ class H2OLayer(CacheLayerMixin):
         capacity = self.policy.capacity
         if capacity is None:
             return
-        slots = self.held
         # Pinned slots are never evicted, so every head of every row holds the same number.
         n_pinned = int(self.pinned[0, 0].sum())
-        n_free = slots - n_pinned
+        n_free = self.held - n_pinned
         if n_free <= capacity:
             return
-        if n_pinned == 0:
-            self._keep(self.policy.keep(self.scores))
+        # The policy sees the evictable slots oldest first (pinned ones sort last).
+        order_key = self.positions.masked_fill(self.pinned, torch.iinfo(torch.long).max)
+        free = order_key.argsort(dim=-1)[..., :n_free]
+        chosen = self.policy.keep(self.scores.gather(-1, free), self.positions.gather(-1, free))
+        chosen = free.gather(-1, chosen.expand(*free.shape[:-1], -1))
+        keep = self.pinned.scatter(-1, chosen, True)
+        self._compact(keep, self.held - (n_free - capacity))
+
+    def _compact(self, keep: torch.Tensor, new_held: int) -> None:
+        """Move the kept slots that lie past ``new_held`` into the dropped slots before it.
+
+        Per head, the dropped slots before ``new_held`` and the kept slots after it are
+        equally many; ``nonzero`` lists both in (row, head, slot) order, so the j-th hole
+        of a head pairs with the j-th mover of the same head.
+        """
+        holes = (~keep[..., :new_held]).nonzero(as_tuple=True)
+        movers = keep[..., new_held:].nonzero(as_tuple=True)
+        movers = (movers[0], movers[1], movers[2] + new_held)
+        for buffer in self._buffers.values():
+            buffer[holes] = buffer[movers]
+        self.held = new_held
+        self._refresh_views()
+
+    def _reserve(self, slots: int) -> None:
+        """Grow the buffers to hold ``slots``; a bounded cache reaches its peak size (budget
+        plus one prefill chunk) once and never reallocates after that."""
+        size = self._buffers["keys"].shape[2]
+        if slots <= size:
             return
-        # Stable sort puts the evictable slots first, each group still in temporal order.
-        order = torch.sort(self.pinned.to(torch.uint8), dim=-1, stable=True).indices
-        free, pinned = order[..., :n_free], order[..., n_free:]
-        chosen = self.policy.keep(self.scores.gather(-1, free))
-        chosen = chosen.expand(*free.shape[:-1], -1)
-        keep = torch.cat([free.gather(-1, chosen), pinned], dim=-1).sort(dim=-1).values
-        self._keep(keep)
+        size = slots if self.policy.capacity is not None else max(slots, 2 * size)
 
-    def _keep(self, index: torch.Tensor) -> None:
-        """Keep the slots at ``index``: ``(k,)`` for all heads or ``(batch, heads, k)``."""
-        if index.dim() == 1:
-            self._map_slots(lambda t: t.index_select(2, index))
-            return
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            bigger = t.new_zeros((*t.shape[:2], size, *t.shape[3:]))
+            bigger[:, :, : self.held] = t[:, :, : self.held]
+            return bigger
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() == 4:
-                return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
-            return t.gather(2, index)
+        self._buffers = {name: grow(t) for name, t in self._buffers.items()}
 
-        self._map_slots(gather)
+    def _refresh_views(self) -> None:
+        for name, buffer in self._buffers.items():
+            setattr(self, name, buffer[:, :, : self.held])
 
-    def _map_slots(self, fn) -> None:
-        # keys/values are 4-D, the per-slot tensors 3-D: both carry slots on dim 2.
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.scores, self.positions = fn(self.scores), fn(self.positions)
-        self.valid, self.pinned = fn(self.valid), fn(self.pinned)
-
-    def _map_rows(self, fn) -> None:
+    def _map_buffers(self, fn) -> None:
         if self.is_initialized:
-            self._map_slots(fn)
+            self._buffers = {name: fn(t) for name, t in self._buffers.items()}
+            self._refresh_views()
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "keys": self.keys,
-            "values": self.values,
-            "scores": self.scores,
-            "positions": self.positions,
-            "valid": self.valid,
-            "pinned": self.pinned,
-        }
+    def allocated_bytes(self) -> int:
+        """Bytes of every buffer this layer holds, including room reserved for new tokens."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
 
 @dataclass
@@ -231,7 +250,10 @@ class CacheStats:
     held: int
     pinned: int
     budget: int | None  # slots held at rest once over budget (policy capacity + pinned)
-    kv_bytes: int  # bytes of every tensor the cache holds, from the tensors themselves
+    # Bytes of the cache's buffers (keys, values, scores, positions, flags), read off the
+    # tensors: allocated includes room reserved for incoming tokens, held only slots in use.
+    kv_bytes: int
+    held_bytes: int
     layers: list[LayerStats]
 
     @property
@@ -272,7 +294,7 @@ class H2OCache(Cache):
         self.spans.ranges.append((start, end))
         for layer in self.layers:
             if layer.is_initialized:
-                layer.pinned = layer.spans.contains(layer.positions)
+                layer.pinned.copy_(layer.spans.contains(layer.positions))
 
     def stats(self) -> CacheStats:
         capacity = self.policy.capacity
@@ -281,15 +303,18 @@ class H2OCache(Cache):
         layers = [
             LayerStats(
                 held=layer.held,
-                positions=layer.positions.clone() if layer.is_initialized else torch.empty(0, 0, 0),
+                positions=layer.positions.sort(dim=-1).values
+                if layer.is_initialized
+                else torch.empty(0, 0, 0, dtype=torch.long),
             )
             for layer in self.layers
         ]
-        kv_bytes = sum(
+        kv_bytes = sum(layer.allocated_bytes() for layer in self.layers)
+        held_bytes = sum(
             t.numel() * t.element_size()
             for layer in self.layers
             if layer.is_initialized
-            for t in layer.tensors().values()
+            for t in (getattr(layer, name) for name in _SLOT_TENSORS)
         )
         return CacheStats(
             policy=self.policy.describe(),
@@ -298,6 +323,7 @@ class H2OCache(Cache):
             pinned=pinned,
             budget=None if capacity is None else capacity + pinned,
             kv_bytes=kv_bytes,
+            held_bytes=held_bytes,
             layers=layers,
         )
 

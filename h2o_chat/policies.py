@@ -25,12 +25,13 @@ class EvictionPolicy:
         """Evictable slots kept per KV head at rest; ``None`` means unbounded."""
         raise NotImplementedError
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor:
-        """Indices of the slots to keep, ascending.
+    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Indices of the slots to keep.
 
-        ``scores`` is ``(batch, kv_heads, n)`` with ``n > capacity``, oldest slot first.
-        Returns either ``(capacity,)`` (same slots for every head) or
-        ``(batch, kv_heads, capacity)``.
+        ``scores`` (accumulated attention mass) and ``positions`` (absolute token
+        positions; the newest is the last token seen) are ``(batch, kv_heads, n)`` with
+        ``n > capacity``, oldest slot first. Returns either ``(capacity,)`` (same slots
+        for every head) or ``(batch, kv_heads, capacity)``.
         """
         raise NotImplementedError
 
@@ -52,7 +53,7 @@ class FullPolicy(EvictionPolicy):
     def capacity(self) -> int | None:
         return None
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the full policy never evicts")
 
 
@@ -68,7 +69,7 @@ class RecentPolicy(EvictionPolicy):
     def capacity(self) -> int:
         return self.recent
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return _window(scores.shape[-1], 0, self.recent, scores.device)
 
     def describe(self) -> dict[str, int | str]:
@@ -87,7 +88,7 @@ class SinkPolicy(EvictionPolicy):
     def capacity(self) -> int:
         return self.sink + self.recent
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return _window(scores.shape[-1], self.sink, self.recent, scores.device)
 
     def describe(self) -> dict[str, int | str]:
@@ -107,7 +108,7 @@ class H2OPolicy(EvictionPolicy):
     def capacity(self) -> int:
         return self.sink + self.heavy + self.recent
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = scores.shape[-1]
         window = _window(n, self.sink, self.recent, scores.device)
         window = window.expand(*scores.shape[:-1], -1)
@@ -116,7 +117,7 @@ class H2OPolicy(EvictionPolicy):
         # older slot, so the choice is deterministic and matches the reference rule.
         order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
         heavy = order[..., : self.heavy] + self.sink
-        return torch.cat([window, heavy], dim=-1).sort(dim=-1).values
+        return torch.cat([window, heavy], dim=-1)
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}

@@ -213,9 +213,12 @@ def test_stats_count_real_bytes(tiny_model):
     cache = make_cache(tiny_model, "h2o", heavy=8, recent=8)
     feed(tiny_model, cache, torch.randint(0, 128, (1, 50)), 50)
     stats = cache.stats()
-    # 3 layers x (keys + values: 2 heads x 16 slots x 16 dims x 4 bytes
-    #            + scores 4 B, positions 8 B, valid 1 B, pinned 1 B per slot and head)
-    assert stats.kv_bytes == 3 * (2 * 2 * 16 * 16 * 4 + 2 * 16 * (4 + 8 + 1 + 1))
+    # Per layer, slot and KV head: keys + values 16 dims x 4 B each, score 4 B,
+    # position 8 B, valid and pinned flags 1 B each; 3 layers, 2 KV heads.
+    slot_bytes = 2 * 16 * 4 + 4 + 8 + 1 + 1
+    assert stats.held_bytes == 3 * 2 * 16 * slot_bytes
+    # The 50-token prefill reserved room for all 50 before evicting down to 16.
+    assert stats.kv_bytes == 3 * 2 * 50 * slot_bytes
     assert not make_cache(tiny_model, "h2o", heavy=8, recent=8).stats().budget_reached
     assert stats.budget_reached
 
