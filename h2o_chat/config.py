@@ -125,19 +125,17 @@ _RULES: dict[str, _Rule] = {
 }
 
 
-def _cross_field_checks(config: AppConfig) -> None:
-    """Rules that involve more than one field."""
-    cache = config.cache
-    if cache.policy == "h2o" and cache.heavy + cache.recent < 1:
+def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:
+    """The budget rules that involve more than one field."""
+    if policy == "h2o" and heavy + recent < 1:
         raise ConfigError(
-            f"cache.heavy + cache.recent = {cache.heavy + cache.recent}: must be >= 1 "
+            f"cache.heavy + cache.recent = {heavy + recent}: must be >= 1 "
             "when cache.policy is 'h2o' (the cache needs at least one evictable slot)",
             field="cache.heavy",
         )
-    if cache.policy in ("recent", "sink") and cache.recent < 1:
+    if policy in ("recent", "sink") and recent < 1:
         raise ConfigError(
-            f"cache.recent = {cache.recent}: must be an integer >= 1 "
-            f"when cache.policy is {cache.policy!r}",
+            f"cache.recent = {recent}: must be an integer >= 1 when cache.policy is {policy!r}",
             field="cache.recent",
         )
 
@@ -166,6 +164,19 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     )
 
 
+def check_field(name: str, value: Any) -> Any:
+    """Check one ``section.key`` value against its type and range; return it (an int given
+    for a float field becomes a float). Raises :class:`ConfigError` naming the field."""
+    section, key = name.split(".")
+    hint = get_type_hints(_SECTIONS[section])[key]
+    coerced = _coerce(name, value, hint)
+    rule = _RULES.get(name)
+    if coerced is not None and rule is not None and not rule.check(coerced):
+        optional = type(None) in get_args(hint)
+        raise ConfigError(f"{name} = {value!r}: {rule.allowed}" + (", or null" if optional else ""), field=name)
+    return coerced
+
+
 def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
     if not isinstance(config, AppConfig):
         raise ConfigError(f"expected an AppConfig, got {type(config).__name__}")
@@ -177,28 +188,19 @@ def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
                 f"{section_name}: expected {section_cls.__name__}, got {type(section).__name__}",
                 field=section_name,
             )
-        hints = get_type_hints(section_cls)
         values = {}
         for f in fields(section_cls):
             name = f"{section_name}.{f.name}"
-            raw = getattr(section, f.name)
             try:
-                value = _coerce(name, raw, hints[f.name])
-                rule = _RULES.get(name)
-                if value is not None and rule is not None and not rule.check(value):
-                    optional = type(None) in get_args(hints[f.name])
-                    raise ConfigError(
-                        f"{name} = {raw!r}: {rule.allowed}" + (", or null" if optional else ""),
-                        field=name,
-                    )
+                values[f.name] = check_field(name, getattr(section, f.name))
             except ConfigError as err:
                 if name in origins:
                     err.args = (f"{err.args[0]} (in {origins[name]})",)
                 raise
-            values[f.name] = value
         sections[section_name] = section_cls(**values)
     validated = AppConfig(**sections)
-    _cross_field_checks(validated)
+    cache = validated.cache
+    check_cache_budgets(cache.policy, cache.heavy, cache.recent)
     return validated
 
 

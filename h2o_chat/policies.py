@@ -11,6 +11,8 @@ from typing import ClassVar
 
 import torch
 
+from .config import check_cache_budgets, check_field
+
 
 class EvictionPolicy:
     """Interface: ``capacity`` evictable slots are kept at rest; ``keep`` picks them."""
@@ -123,26 +125,15 @@ class H2OPolicy(EvictionPolicy):
         return {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    p.name: p for p in (FullPolicy, H2OPolicy, RecentPolicy, SinkPolicy)
-}
-
-
 def make_policy(name: str, *, heavy: int = 0, recent: int = 0, sink: int = 0) -> EvictionPolicy:
     """Build a policy by name; budgets that a policy does not use are ignored."""
-    if name not in POLICIES:
-        raise ValueError(f"cache policy {name!r} is unknown; allowed: {', '.join(POLICIES)}")
-    for field, value in (("heavy", heavy), ("recent", recent), ("sink", sink)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"cache.{field} = {value!r}: must be an integer >= 0")
+    name = check_field("cache.policy", name)
+    heavy, recent, sink = (check_field(f"cache.{k}", v) for k, v in (("heavy", heavy), ("recent", recent), ("sink", sink)))
+    check_cache_budgets(name, heavy, recent)
     if name == "full":
         return FullPolicy()
     if name == "h2o":
-        if heavy + recent < 1:
-            raise ValueError("cache.heavy + cache.recent must be >= 1 for the h2o policy")
         return H2OPolicy(heavy=heavy, recent=recent, sink=sink)
-    if recent < 1:
-        raise ValueError(f"cache.recent = {recent}: must be >= 1 for the {name} policy")
     if name == "recent":
         return RecentPolicy(recent=recent)
     return SinkPolicy(sink=sink, recent=recent)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .cache import CacheStats, H2OCache, make_cache
-from .config import CacheConfig, GenerationConfig
+from .config import CacheConfig, GenerationConfig, check_field
 
 _model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
@@ -39,23 +39,9 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        checks = [
-            ("max_new_tokens", self.max_new_tokens, isinstance(self.max_new_tokens, int)
-             and not isinstance(self.max_new_tokens, bool) and 1 <= self.max_new_tokens <= 32768,
-             "an integer from 1 to 32768"),
-            ("temperature", self.temperature, isinstance(self.temperature, (int, float))
-             and not isinstance(self.temperature, bool) and 0 <= self.temperature <= 10,
-             "a number from 0 (greedy) to 10"),
-            ("top_p", self.top_p, isinstance(self.top_p, (int, float))
-             and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
-             "a number in (0, 1]"),
-            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int)
-             and not isinstance(self.seed, bool) and self.seed >= 0),
-             "None or an integer >= 0"),
-        ]
-        for name, value, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"{name} = {value!r}: must be {allowed}")
+        # The same rules as the config file's generation section, so messages match.
+        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+            setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
 
 
 def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -186,6 +172,11 @@ class ChatSession(Session):
 
     Each turn renders the conversation with the template and feeds only the text after
     what was already fed; the system prompt is protected from eviction by default.
+
+    ``history`` (user/assistant messages, no system) starts the chat mid-conversation:
+    an evicting cache cannot go back in time, so regenerating, undoing or editing a turn
+    means a fresh session on the edited history. Its tokens are fed, in chunks, on the
+    next ``send``.
     """
 
     def __init__(
@@ -196,10 +187,12 @@ class ChatSession(Session):
         system_prompt: str | None = GenerationConfig.system_prompt,
         protect_system_prompt: bool = True,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+        history: Sequence[Mapping[str, str]] = (),
     ) -> None:
         super().__init__(model, tokenizer, cache, prefill_chunk_size)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
+        history = [_checked_message(i, m) for i, m in enumerate(history)]
         self.messages: list[dict[str, str]] = []
         self._text = ""  # the template text of self.tokens
         if system_prompt:
@@ -208,6 +201,16 @@ class ChatSession(Session):
             self.tokens = self._encode(self._text)
             if protect_system_prompt:
                 self.cache.protect(0, len(self.tokens))
+        if history:
+            # Encoded apart from the system prompt, as turns are, so the protected span
+            # covers exactly the system prompt's tokens.
+            rendered = tokenizer.apply_chat_template(self.messages + history, tokenize=False)
+            if not rendered.startswith(self._text):
+                raise RuntimeError("the chat template renders the system prompt differently "
+                                   "once turns follow; cannot start from a history")
+            self.tokens += self._encode(rendered[len(self._text) :])
+            self.messages += history
+            self._text = rendered
 
     def send(self, text: str, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks."""
@@ -235,12 +238,41 @@ class ChatSession(Session):
                 self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
 
 
+def _checked_message(index: int, message: Mapping[str, str]) -> dict[str, str]:
+    role, content = message.get("role"), message.get("content")
+    if role not in ("user", "assistant") or not isinstance(content, str):
+        raise ValueError(f"history[{index}] = {message!r}: must be a user or assistant "
+                         "message with string content")
+    return {"role": role, "content": content}
+
+
 class StorySession(Session):
-    """Free-form continuation of a text (no chat template), e.g. a long story."""
+    """Free-form continuation of a text (no chat template), e.g. a long story.
+
+    ``bible`` (characters, facts) goes before the story and its tokens are never evicted,
+    so the model keeps attending to it however long the story gets. ``text`` is the story
+    after it.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cache: H2OCache | None = None,
+        bible: str = "",
+        prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+    ) -> None:
+        super().__init__(model, tokenizer, cache, prefill_chunk_size)
+        if not isinstance(bible, str):
+            raise ValueError("bible must be a string")
+        self.tokens = self._encode(bible) if bible else []
+        self.bible_tokens = len(self.tokens)
+        if self.tokens:
+            self.cache.protect(0, self.bible_tokens)
 
     @property
     def text(self) -> str:
-        return self._decode(self.tokens)
+        return self._decode(self.tokens[self.bible_tokens :])
 
     def send(self, text: str = "", **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation."""

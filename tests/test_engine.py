@@ -224,7 +224,7 @@ def test_stats_count_real_bytes(tiny_model):
 
 
 def test_make_cache_rejects_bad_arguments(tiny_model):
-    with pytest.raises(ValueError, match="allowed: full, h2o, recent, sink"):
+    with pytest.raises(ValueError, match="cache.policy = 'lru': must be one of full, h2o, recent, sink"):
         make_cache(tiny_model, "lru")
     with pytest.raises(ValueError, match="cache.heavy"):
         make_cache(tiny_model, "h2o", heavy=-1, recent=4)
