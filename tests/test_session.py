@@ -163,3 +163,59 @@ def test_story_continues_twice_within_budget(smollm):
     assert_consistent(story)
     with pytest.raises(ValueError, match="empty"):
         StorySession(model, tokenizer, cache=h2o(model)).send("")
+
+
+def test_regenerating_from_history_reproduces_the_reply(smollm):
+    """A fresh session on the history before a turn re-feeds it lazily, in chunks, and
+    (greedy, full cache) gives that turn's reply again."""
+    model, tokenizer = smollm
+    live = ChatSession(model, tokenizer, cache=make_cache(model, "full"))
+    for question in ["Name a fruit.", "What colour is it?"]:
+        "".join(live.send(question, **GREEDY))
+    history = live.messages[1:-2]  # before the last user message
+    rebuilt = ChatSession(model, tokenizer, cache=make_cache(model, "full"), history=history, prefill_chunk_size=16)
+    assert rebuilt.fed == 0 and rebuilt.stats().cache.seen == 0  # nothing fed before the next send
+    assert rebuilt.messages == live.messages[:-2]
+    assert rebuilt.tokenizer.decode(rebuilt.tokens) == tokenizer.apply_chat_template(live.messages[:-2], tokenize=False)
+    reply = "".join(rebuilt.send("What colour is it?", **GREEDY))
+    assert reply == live.messages[-1]["content"]
+    assert rebuilt.messages == live.messages
+    assert_consistent(rebuilt)
+
+
+def test_history_keeps_the_system_prompt_protected_and_the_cache_bounded(smollm):
+    model, tokenizer = smollm
+    history = [
+        {"role": "user", "content": "Tell me about the sea. " * 20},
+        {"role": "assistant", "content": "The sea is large and deep. " * 20},
+    ]
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16), history=history)
+    system_tokens = len(tokenizer(tokenizer.apply_chat_template(session.messages[:1], tokenize=False)).input_ids)
+    assert "".join(session.send("And the sky?", **GREEDY)).strip()
+    stats = session.stats().cache
+    assert stats.seen > 300 and stats.held == stats.budget == 36 + system_tokens
+    for layer in stats.layers:
+        assert (layer.positions[..., :system_tokens] == torch.arange(system_tokens)).all()
+    assert_consistent(session)
+
+
+def test_bad_history_is_refused(smollm):
+    model, tokenizer = smollm
+    for bad in [[{"role": "system", "content": "x"}], [{"role": "user", "content": 3}], [{"content": "x"}]]:
+        with pytest.raises(ValueError, match=r"history\[0\]"):
+            ChatSession(model, tokenizer, cache=h2o(model), history=bad)
+
+
+def test_story_bible_is_protected_and_not_part_of_the_text(smollm):
+    model, tokenizer = smollm
+    bible = "Characters: Mira, a lighthouse keeper; Tomas, her brother.\n\n"
+    story = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16), bible=bible)
+    n_bible = story.bible_tokens
+    assert n_bible == len(tokenizer(bible, add_special_tokens=False).input_ids) and story.text == ""
+    "".join(story.send("Mira climbed the stairs.", temperature=0, max_new_tokens=60))
+    stats = story.stats().cache
+    assert stats.seen > 60 and stats.held == stats.budget == 36 + n_bible
+    for layer in stats.layers:
+        assert (layer.positions[..., :n_bible] == torch.arange(n_bible)).all()
+    assert story.text.startswith("Mira climbed the stairs.")
+    assert_consistent(story)
