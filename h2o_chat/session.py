@@ -9,6 +9,7 @@ sampled token stays unfed until the next turn, so after any stop the invariant h
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
@@ -117,8 +118,9 @@ class Session:
 
     # ---- the decode loop ------------------------------------------------------------------
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def _encode(self, text: str, plain: bool = False) -> list[int]:
+        """Token ids of ``text``; ``plain`` reads special-token strings as ordinary text."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -204,13 +206,9 @@ class ChatSession(Session):
         if history:
             # Encoded apart from the system prompt, as turns are, so the protected span
             # covers exactly the system prompt's tokens.
-            rendered = tokenizer.apply_chat_template(self.messages + history, tokenize=False)
-            if not rendered.startswith(self._text):
-                raise RuntimeError("the chat template renders the system prompt differently "
-                                   "once turns follow; cannot start from a history")
-            self.tokens += self._encode(rendered[len(self._text) :])
+            self._text, new_tokens = self._render_new(self.messages + history, False)
+            self.tokens += new_tokens
             self.messages += history
-            self._text = rendered
 
     def send(self, text: str, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks."""
@@ -221,10 +219,7 @@ class ChatSession(Session):
     def _turn(self, text: str, sampling: Sampling) -> Iterator[str]:
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            if not rendered.startswith(self._text):
-                raise RuntimeError("the chat template re-rendered earlier turns differently; cannot append")
-            new_tokens = self._encode(rendered[len(self._text) :])
+            rendered, new_tokens = self._render_new(messages, True)
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._text = rendered
             self.reply = []
@@ -236,6 +231,41 @@ class ChatSession(Session):
                 self._text = rendered + self._decode(reply)
                 ending = 1 if reply and reply[-1] in self.eos_ids else 0
                 self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
+
+
+    def _render_new(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """Render ``messages`` (the current ones plus new ones) with the chat template and
+        return the text and the tokens of what follows the text already fed.
+
+        The new messages' contents are tokenized as plain text, so a message that
+        contains the template's control tokens as text (say "<|im_end|>") cannot end a
+        turn or fake a role. To tell contents from template text, the new messages are
+        rendered once more with markers in place of their contents.
+        """
+
+        def render(msgs: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+
+        rendered = render(messages)
+        if not rendered.startswith(self._text):
+            raise RuntimeError("the chat template re-rendered earlier turns differently; cannot append")
+        old = len(self.messages)
+        contents = {f"\ue000{i}\ue001": m["content"] for i, m in enumerate(messages[old:])}
+        marked = render(messages[:old] + [dict(m, content=mark) for m, mark in zip(messages[old:], contents)])
+        pieces = _MARKER.split(marked[len(self._text) :])
+        if "".join(contents.get(p, p) for p in pieces) != rendered[len(self._text) :]:
+            raise RuntimeError("the chat template changes message contents (e.g. trims them); "
+                               "cannot tell contents from control tokens")
+        tokens = []
+        for piece in pieces:
+            tokens += self._encode(contents[piece], plain=True) if piece in contents else self._encode(piece)
+        return rendered, tokens
+
+
+# Private-use characters around an index: markers no real message is expected to contain.
+_MARKER = re.compile(r"(\ue000\d+\ue001)")
 
 
 def _checked_message(index: int, message: Mapping[str, str]) -> dict[str, str]:
