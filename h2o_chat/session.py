@@ -130,19 +130,54 @@ class Session:
         pending = torch.tensor([self.tokens[self.fed :]], device=self.model.device)
         logits = None
         for chunk in pending.split(self.prefill_chunk_size, dim=1):
-            with self._model_lock, torch.inference_mode():
-                out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            try:
+                with self._model_lock, torch.inference_mode():
+                    out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            except BaseException:
+                self._rebuild_cache(self.fed)
+                raise
             self.fed += chunk.shape[1]
             logits = out.logits[0, -1]
         return logits
+
+    def _rebuild_cache(self, upto: int) -> None:
+        """Refill the cache from scratch with ``tokens[:upto]``; later tokens stay unfed.
+
+        Needed after a forward pass failed midway (some layers took the chunk, some did
+        not) or to take back fed tokens: evictions cannot be undone in place.
+        """
+        self.cache.reset()
+        self.fed = 0
+        self.tokens, rest = self.tokens[:upto], self.tokens[upto:]
+        try:
+            if upto:
+                self._feed_unfed()
+        finally:
+            self.tokens += rest
+
+    def _take_back(self, length: int) -> None:
+        """Forget every token from ``length`` on, from the history and the cache."""
+        if self.fed > length:
+            self._rebuild_cache(length)
+        del self.tokens[length:]
 
     def _generate(self, new_tokens: list[int], sampling: Sampling) -> Iterator[str]:
         """Append ``new_tokens``, then stream the decoded text of up to
         ``sampling.max_new_tokens`` generated tokens, collected in ``self.reply``
         (including a final end-of-turn token). Callers hold ``self._turn_lock``."""
         self._stop.clear()
+        length = len(self.tokens)
         self.tokens.extend(new_tokens)
         self.reply = generated = []
+        try:
+            yield from self._decode_loop(sampling)
+        except BaseException:
+            if not generated:
+                self._take_back(length)  # nothing came of the new tokens: forget them
+            raise
+
+    def _decode_loop(self, sampling: Sampling) -> Iterator[str]:
+        generated = self.reply
         self._decode_tokens_per_s = 0.0
         generator = None
         if sampling.seed is not None:
@@ -220,18 +255,27 @@ class ChatSession(Session):
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
             rendered, new_tokens = self._render_new(messages, True)
+            before = (self.messages, self._text)
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._text = rendered
-            self.reply = []
             try:
                 yield from self._generate(new_tokens, sampling)
-            finally:
-                # Also on stop or an abandoned stream: the history keeps the partial reply.
-                reply = self.reply
-                self._text = rendered + self._decode(reply)
-                ending = 1 if reply and reply[-1] in self.eos_ids else 0
-                self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
+            except BaseException:
+                if not self.reply:
+                    # Failed before the first token and _generate took the tokens back:
+                    # the turn never happened.
+                    self.messages, self._text = before
+                    raise
+                self._record_reply(rendered)
+                raise
+            self._record_reply(rendered)
 
+    def _record_reply(self, rendered: str) -> None:
+        """Put the reply, whole or partial (stopped, failed, abandoned), into the history."""
+        reply = self.reply
+        self._text = rendered + self._decode(reply)
+        ending = 1 if reply and reply[-1] in self.eos_ids else 0
+        self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
 
     def _render_new(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
         """Render ``messages`` (the current ones plus new ones) with the chat template and

@@ -233,3 +233,30 @@ def test_control_tokens_typed_as_text_stay_text(smollm):
     assert prompt.count(end_of_turn) == 4
     assert session.messages[1]["content"] == typed
     assert tokenizer.decode(prompt).count(typed) == 2
+
+
+def test_a_failed_forward_leaves_the_session_usable(smollm):
+    model, tokenizer = smollm
+    budget = dict(heavy=256, recent=256)  # no eviction: the rebuilt cache is exact
+    session = ChatSession(model, tokenizer, cache=h2o(model, **budget))
+    control = ChatSession(model, tokenizer, cache=h2o(model, **budget))
+    for chat in (session, control):
+        assert "".join(chat.send("Hello!", **GREEDY)).strip()
+    before = (list(session.tokens), [dict(m) for m in session.messages])
+    layer = session.cache.layers[12]
+    update = layer.update
+
+    def failing_update(*args, **kwargs):
+        layer.update = update
+        raise RuntimeError("injected failure")
+
+    layer.update = failing_update  # layers 0-11 take the chunk, then the forward fails
+    with pytest.raises(RuntimeError, match="injected"):
+        "".join(session.send("What is 2 + 2?", **GREEDY))
+    # The failed turn never happened, and every layer agrees again on what it has seen.
+    assert (session.tokens, session.messages) == before
+    assert all(layer.seen == session.fed == session.cache.seen for layer in session.cache.layers)
+    assert_consistent(session)
+    replies = ["".join(chat.send("What is 3 + 3?", **GREEDY)) for chat in (session, control)]
+    assert replies[0].strip() and replies[0] == replies[1]
+    assert_consistent(session)
