@@ -121,6 +121,8 @@ def h2o_attention(
     if layer is None:
         # No H2O cache in this call (e.g. a forward without past_key_values): plain sdpa.
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
+    if layer.query_shift:
+        query = layer.rope.shift(query, layer.query_shift)
     mask = _slot_mask(layer, attention_mask, query.shape[2])
     if layer.policy.needs_scores:
         output, probs, received = _scored_attention(query, key, value, mask, scaling)

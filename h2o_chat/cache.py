@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .policies import EvictionPolicy, make_policy
+from .rope import RopeShifter
 
 _awaiting = threading.local()
 
@@ -45,9 +46,6 @@ class ProtectedSpans:
         return inside
 
 
-_SLOT_TENSORS = ("keys", "values", "scores", "positions", "valid", "pinned")
-
-
 class H2OLayer(CacheLayerMixin):
     """One layer's slots: keys, values, accumulated scores, absolute positions and flags.
 
@@ -55,6 +53,11 @@ class H2OLayer(CacheLayerMixin):
     ``values``, ``scores`` (float32), ``positions``, ``valid`` (False for padding) and
     ``pinned`` are views of the ``held`` slots in use. Shapes: keys/values
     ``(batch, kv_heads, held, head_dim)``, the others ``(batch, kv_heads, held)``.
+
+    With position rolling (``rope`` given), keys are not kept at their absolute positions
+    but at their temporal rank among the held slots (``rotated_at``), and each call's
+    queries at the ranks after them, so a conversation longer than the model's trained
+    context never shows it a position it was not trained on.
 
     Slots are not kept in temporal order in memory: an evicted slot is refilled by moving
     a kept slot from the end, so evicting one token per step moves one slot per head
@@ -67,10 +70,12 @@ class H2OLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False  # evicted slots cannot be brought back
 
-    def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans) -> None:
+    def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None) -> None:
         super().__init__()
         self.policy = policy
         self.spans = spans
+        self.rope = rope
+        self.query_shift = 0  # rolling: positions to move this call's queries by
         self.seen = 0
         self.held = 0
         self._buffers: dict[str, torch.Tensor] = {}
@@ -91,6 +96,8 @@ class H2OLayer(CacheLayerMixin):
             "valid": torch.ones(slots, dtype=torch.bool, device=self.device),
             "pinned": torch.zeros(slots, dtype=torch.bool, device=self.device),
         }
+        if self.rope is not None:
+            self._buffers["rotated_at"] = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.held = 0
         self._refresh_views()
         self.is_initialized = True
@@ -109,6 +116,12 @@ class H2OLayer(CacheLayerMixin):
         start, end = self.held, self.held + new
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
         buffers = self._buffers
+        if self.rope is not None:
+            # New tokens go right after the held slots, whatever their absolute position.
+            self.query_shift = start - self.seen
+            if self.query_shift:
+                key_states = self.rope.shift(key_states, self.query_shift)
+            buffers["rotated_at"][:, :, start:end] = torch.arange(start, end, device=self.device)
         buffers["keys"][:, :, start:end] = key_states
         buffers["values"][:, :, start:end] = value_states
         buffers["scores"][:, :, start:end] = 0
@@ -136,7 +149,7 @@ class H2OLayer(CacheLayerMixin):
         self.scores = self.positions = self.valid = self.pinned = None
         self.is_initialized = False
         self.has_padding = False
-        self.seen = self.held = 0
+        self.seen = self.held = self.query_shift = 0
         if layer_awaiting_attention() is self:
             _awaiting.layer = None
 
@@ -206,6 +219,17 @@ class H2OLayer(CacheLayerMixin):
             buffer[holes] = buffer[movers]
         self.held = new_held
         self._refresh_views()
+        if self.rope is not None:
+            self._roll_to_ranks()
+
+    def _roll_to_ranks(self) -> None:
+        """Move every kept key to its temporal rank among the held slots."""
+        order = self.positions.argsort(dim=-1)
+        ranks = torch.arange(self.held, device=self.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)
+        shift = rank - self.rotated_at
+        self.keys.copy_(self.rope.shift(self.keys, shift))
+        self.rotated_at.copy_(rank)
 
     def _reserve(self, slots: int) -> None:
         """Grow the buffers to hold ``slots``; a bounded cache reaches its peak size (budget
@@ -264,10 +288,11 @@ class CacheStats:
 class H2OCache(Cache):
     """A transformers ``Cache`` whose layers evict by an ``EvictionPolicy``."""
 
-    def __init__(self, policy: EvictionPolicy, num_layers: int) -> None:
+    def __init__(self, policy: EvictionPolicy, num_layers: int, rope: RopeShifter | None = None) -> None:
         self.policy = policy
         self.spans = ProtectedSpans()
-        super().__init__(layers=[H2OLayer(policy, self.spans) for _ in range(num_layers)])
+        self.rolling = rope is not None
+        super().__init__(layers=[H2OLayer(policy, self.spans, rope) for _ in range(num_layers)])
 
     @property
     def seen(self) -> int:
@@ -314,7 +339,7 @@ class H2OCache(Cache):
             t.numel() * t.element_size()
             for layer in self.layers
             if layer.is_initialized
-            for t in (getattr(layer, name) for name in _SLOT_TENSORS)
+            for t in (getattr(layer, name) for name in layer._buffers)
         )
         return CacheStats(
             policy=self.policy.describe(),
@@ -328,11 +353,14 @@ class H2OCache(Cache):
         )
 
 
-def make_cache(model, policy: str = "h2o", **budgets: int) -> H2OCache:
+def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int) -> H2OCache:
     """A fresh cache for ``model`` under ``policy`` (full, h2o, recent, sink).
 
-    ``budgets`` are ``heavy``, ``recent`` and ``sink`` slot counts. The model must use the
-    registered ``h2o`` attention (``load_model`` sets it), which feeds the cache its scores.
+    ``budgets`` are ``heavy``, ``recent`` and ``sink`` slot counts. ``rolling`` places
+    cached tokens at their rank in the cache rather than their absolute position (see
+    ``H2OLayer``), for conversations longer than the model's trained context. The model
+    must use the registered ``h2o`` attention (``load_model`` sets it), which feeds the
+    cache its scores.
     """
     from .attention import ATTENTION_NAME
 
@@ -346,4 +374,5 @@ def make_cache(model, policy: str = "h2o", **budgets: int) -> H2OCache:
     unknown = set(budgets) - {"heavy", "recent", "sink"}
     if unknown:
         raise TypeError(f"unknown budget(s) {sorted(unknown)}; allowed: heavy, recent, sink")
-    return H2OCache(make_policy(policy, **budgets), config.num_hidden_layers)
+    rope = RopeShifter.from_model(model) if rolling else None
+    return H2OCache(make_policy(policy, **budgets), config.num_hidden_layers, rope)

@@ -38,6 +38,9 @@ class CacheConfig:
     recent: int = 128
     sink: int = 4
     prefill_chunk_size: int = 256
+    # Place cached tokens at their rank in the cache instead of their absolute position,
+    # so a conversation can outgrow the model's trained context.
+    rolling: bool = False
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""Position rolling: cached keys live at their rank in the cache, queries right after."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from h2o_chat import make_cache
+from h2o_chat.attention import ATTENTION_NAME
+from h2o_chat.rope import RopeShifter
+
+from .test_engine import feed
+
+
+@pytest.fixture(scope="module")
+def one_layer_mqa():
+    """One layer and one KV head: a layer-0 key depends only on its token and position, so
+    a rolled cache must equal a fresh run over just the kept tokens at positions 0..n."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096,
+        attn_implementation=ATTENTION_NAME,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_shift_equals_rotating_at_the_new_position(tiny_model):
+    rotary = tiny_model.model.rotary_emb
+    x = torch.randn(1, 2, 5, 16)
+    positions = torch.tensor([[3, 10, 200, 1000, 5000]])
+    target = torch.tensor([[0, 1, 2, 3, 4]])
+
+    def rotated(at):
+        cos, sin = rotary(x, at)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    moved = RopeShifter.from_model(tiny_model).shift(rotated(positions), (target - positions)[:, None, :])
+    torch.testing.assert_close(moved, rotated(target), rtol=1e-4, atol=1e-4)
+
+
+def test_rolling_changes_nothing_before_the_first_eviction(tiny_model):
+    ids = torch.randint(0, 128, (1, 60))
+    absolute = feed(tiny_model, make_cache(tiny_model, "h2o", heavy=64, recent=64), ids, 16)
+    rolled = feed(tiny_model, make_cache(tiny_model, "h2o", rolling=True, heavy=64, recent=64), ids, 16)
+    torch.testing.assert_close(rolled, absolute, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy, budgets", [("h2o", dict(heavy=6, recent=4, sink=1)), ("sink", dict(sink=2, recent=6))])
+def test_rolled_cache_equals_a_fresh_run_over_the_kept_tokens(one_layer_mqa, policy, budgets):
+    model = one_layer_mqa
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (1, 60))
+    for rolling in (True, False):
+        cache = make_cache(model, policy, rolling=rolling, **budgets)
+        feed(model, cache, ids[:, :20], 20)
+        mismatches = 0
+        for t in range(20, 60):
+            kept = cache.stats().layers[0].positions[0, 0].tolist()
+            logits = feed(model, cache, ids[:, t : t + 1], 1)[0, -1]
+            with torch.no_grad():
+                fresh = model(ids[:, kept + [t]]).logits[0, -1]
+            if rolling:
+                torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+            else:
+                mismatches += not torch.allclose(logits, fresh, rtol=1e-4, atol=1e-4)
+        if not rolling:
+            assert mismatches > 30  # absolute positions: the kept tokens keep their gaps
+
+
+def test_rolling_is_refused_without_rope():
+    class NoRope(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="rotary"):
+        RopeShifter.from_model(NoRope())
