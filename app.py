@@ -1,0 +1,70 @@
+"""Start the h2o-chat web app: ``python app.py [--config PATH] [--host H] [--port N] ...``.
+
+Settings come from the YAML config (default ``configs/default.yaml``); flags override it.
+The page opens at once and shows the model loading in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# Set before gradio is imported: no usage reporting or version check calls from a local app.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Set before torch is imported. Idle OpenMP threads otherwise spin, and beside the web
+# server's threads (and anything else on a small CPU) spinning threads stall each other:
+# on the 2-core dev machine under load, decoding fell from ~12 to ~1 token/s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from h2o_chat.config import ConfigError, load_config  # noqa: E402
+from h2o_chat.loading import EMBEDDED_GGUF, load_model  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Start the h2o-chat web app: chat, story and compare views.")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML config file (default: configs/default.yaml)")
+    parser.add_argument("--host", help="address to listen on (default from the config: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default from the config: 7860)")
+    parser.add_argument("--share", action="store_true", default=None,
+                        help="also ask Gradio for a public share link")
+    parser.add_argument("--policy", help="cache policy: full, h2o, recent or sink")
+    parser.add_argument("--heavy", type=int, help="heavy-hitter slots")
+    parser.add_argument("--recent", type=int, help="recent-window slots")
+    parser.add_argument("--sink", type=int, help="attention-sink slots")
+    return parser.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    """The flags given, as a nested dict like the config file."""
+    sections = {"server": ("host", "port", "share"), "cache": ("policy", "heavy", "recent", "sink")}
+    return {
+        section: values
+        for section, keys in sections.items()
+        if (values := {k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, overrides(args))
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
+
+    from h2o_chat.ui.app import THEME, build_app
+    from h2o_chat.ui.provider import ModelProvider
+
+    name = config.model.source or f"{Path(EMBEDDED_GGUF).stem} (embedded)"
+    provider = ModelProvider(lambda: load_model(config.model), name).start()
+    demo = build_app(provider, config)
+    print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
+    demo.queue().launch(server_name=config.server.host, server_port=config.server.port,
+                        share=config.server.share, theme=THEME, show_error=True)
+
+
+if __name__ == "__main__":
+    main()

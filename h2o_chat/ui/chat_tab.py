@@ -1,0 +1,196 @@
+"""The chat view: a multi-turn dialogue streamed on one H2O cache per browser session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gradio as gr
+
+from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.session import ChatSession
+
+from .gauges import GAUGE_CSS, Gauge, gauge_html
+from .map_panel import MapPanel, gauge_and_map
+from .provider import LoadedModel, ModelProvider
+from .settings import Settings, budget, new_cache
+from .streaming import stream_turn
+from .view_state import ViewState, close_state, stop_state
+
+GAUGE_LABEL = "Token counter"
+# Generations running at once over all views and browsers. They take turns per forward
+# pass on the one model, so more would only slow each of them down.
+GENERATION_SLOTS = 4
+GENERATING = dict(concurrency_id="generation", concurrency_limit=GENERATION_SLOTS)
+
+
+class ChatState(ViewState):
+    """One browser's chat: its session, and how to rebuild it from an edited history."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str) -> None:
+        super().__init__(loaded)
+        self.cache, self.system_prompt = cache, system_prompt
+        self.session = self._new_session([])
+
+    def _new_session(self, history: list[dict[str, str]]) -> ChatSession:
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        return ChatSession(model, tokenizer, cache=new_cache(model, self.cache),
+                           system_prompt=self.system_prompt or None,
+                           prefill_chunk_size=self.cache.prefill_chunk_size, history=history)
+
+    def sessions(self) -> list[ChatSession]:
+        return [self.session]
+
+    def shown(self) -> list[dict[str, str]]:
+        """The conversation as the chatbot shows it (no system message)."""
+        return [dict(m) for m in self.session.messages if m["role"] != "system"]
+
+    def rebuild(self, history: list[dict[str, str]]) -> None:
+        """Go back in time: a fresh cache on ``history``, fed on the next send (an
+        evicting cache cannot un-see the turns after it)."""
+        self.session = self._new_session(history)
+        self.forget_snapshot()
+
+
+def empty_gauge(label: str, slots: int | None) -> str:
+    return gauge_html(Gauge(label, 0, 0, 0, 0, slots, 0, 0.0, 0.0))
+
+
+def wait_for_model(provider: ModelProvider) -> LoadedModel:
+    try:
+        return provider.get()
+    except RuntimeError as err:
+        raise gr.Error(str(err)) from None
+
+
+def _last_user_index(messages: list[dict[str, str]]) -> int | None:
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return users[-1] if users else None
+
+
+def _text_of(value) -> str:
+    """A message's text, whether Gradio hands over a string or a list of content parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value.get("text") or value.get("content") or ""
+    return "".join(_text_of(part) for part in value or [])
+
+
+class ChatTab:
+    """Built inside the chat tab's context; wires its events."""
+
+    def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
+        self.provider, self.settings = provider, settings
+        self.state = gr.State(None, delete_callback=close_state)
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.chatbot = gr.Chatbot(label="Chat", height=430, editable="user",
+                                          elem_id="chatbot",
+                                          placeholder="Ask anything. Replies stream token by token.")
+                with gr.Row():
+                    self.text = gr.Textbox(placeholder="Type a message, Enter to send",
+                                           show_label=False, scale=5, elem_id="chat-input")
+                    self.send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                with gr.Row():
+                    self.stop = gr.Button("Stop", elem_id="chat-stop")
+                    self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
+                    self.undo = gr.Button("Undo", elem_id="chat-undo")
+                    self.new = gr.Button("New chat", elem_id="chat-new")
+            with gr.Column(scale=2):
+                self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
+                                     css_template=GAUGE_CSS, elem_id="chat-gauge")
+                self.system_prompt = gr.Textbox(
+                    config.generation.system_prompt, lines=3, elem_id="system-prompt",
+                    label="System prompt (applies to the next new chat; kept out of eviction)")
+        self.map = MapPanel("chat")
+        self._wire()
+
+    def _wire(self) -> None:
+        turn_inputs = {self.state, self.text, self.system_prompt, self.map.live,
+                       *self.settings.components, *self.map.pickers}
+        outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs]
+        gr.on([self.text.submit, self.send.click], self._on_send, turn_inputs, outputs,
+              **GENERATING)
+        gr.on([self.regenerate.click, self.chatbot.retry], self._on_regenerate, turn_inputs,
+              outputs, **GENERATING)
+        self.chatbot.edit(self._on_edit, turn_inputs, outputs, **GENERATING)
+        gr.on([self.undo.click, self.chatbot.undo], self._on_undo, turn_inputs, outputs)
+        gr.on([self.new.click, self.chatbot.clear], self._on_new,
+              {self.state, *self.settings.components}, outputs)
+        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
+                        show_progress="hidden")
+        self.map.wire(self.state)
+
+    def _on_send(self, values: dict) -> Iterator[dict]:
+        text = values[self.text]
+        if not text.strip():
+            raise gr.Error("Type a message first.")
+        state = values[self.state]
+        if state is None:
+            if not self.provider.ready:
+                yield {self.chatbot: [{"role": "user", "content": text},
+                                      {"role": "assistant", "content": "(waiting for the model to load…)"}]}
+            state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
+                              values[self.system_prompt])
+        with state.running():
+            yield from self._turn(values, state, text)
+
+    def _on_regenerate(self, values: dict) -> Iterator[dict]:
+        state = values[self.state]
+        index = _last_user_index(state.shown()) if state else None
+        if index is None:
+            raise gr.Error("Nothing to regenerate yet.")
+        with state.running():
+            shown = state.shown()
+            state.rebuild(shown[:index])
+            yield from self._turn(values, state, shown[index]["content"])
+
+    def _on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
+        state = values[self.state]
+        if state is None:
+            raise gr.Error("Nothing to edit yet.")
+        with state.running():
+            shown, index, text = state.shown(), edit.index, _text_of(edit.value)
+            if isinstance(index, (tuple, list)):
+                index = index[0]
+            if shown[index]["role"] == "user":
+                state.rebuild(shown[:index])
+                yield from self._turn(values, state, text)
+            else:
+                state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
+                yield {self.chatbot: state.shown()} | self._views(values, state, True)
+
+    def _on_undo(self, values: dict) -> dict:
+        state = values[self.state]
+        index = _last_user_index(state.shown()) if state else None
+        if index is None:
+            return {}
+        with state.running():
+            shown = state.shown()
+            state.rebuild(shown[:index])
+            return ({self.chatbot: shown[:index], self.text: shown[index]["content"]}
+                    | self._views(values, state, True))
+
+    def _on_new(self, values: dict) -> dict:
+        close_state(values[self.state])
+        return {self.state: None, self.chatbot: [],
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                **{output: "" for output in self.map.outputs}}
+
+    def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
+        try:
+            stream = state.session.send(text, **self.settings.sampling(values))
+        except ValueError as err:
+            raise gr.Error(str(err)) from None
+        shown = state.shown() + [{"role": "user", "content": text}]
+        yield {self.state: state, self.chatbot: shown, self.text: ""}
+        yield from stream_turn(
+            stream,
+            show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": reply}]},
+            views=lambda final: self._views(values, state, final),
+            final=lambda: {self.chatbot: state.shown()},
+            closed=lambda: state.closed,
+        )
+
+    def _views(self, values: dict, state: ChatState, final: bool) -> dict:
+        return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final)

@@ -1,0 +1,201 @@
+"""The compare view: the same turns sent to a bounded and a full cache, side by side."""
+
+from __future__ import annotations
+
+import html
+import random
+from collections.abc import Iterator
+
+import gradio as gr
+
+from h2o_chat import make_cache
+from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.session import ChatSession
+
+from .chat_tab import GENERATING, empty_gauge, wait_for_model
+from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, first_divergence, gauge_html
+from .map_panel import MapPanel
+from .provider import LoadedModel, ModelProvider
+from .settings import Settings, budget, new_cache
+from .streaming import Interleaved, Throttle
+from .view_state import Snapshot, ViewState, close_state, stop_state
+
+BOUNDED, FULL = "bounded", "full"  # the two sides
+FULL_LABEL = "full cache"
+_CONTEXT_TOKENS = 8  # tokens of each reply shown after the point where they diverge
+
+
+def bounded_label(cache: CacheConfig) -> str:
+    slots = budget(cache)
+    return f"{cache.policy} cache" + ("" if slots is None else f" ({slots} slots)")
+
+
+class CompareState(ViewState):
+    """One browser's comparison: two chat sessions fed the same turns and seed."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str) -> None:
+        super().__init__(loaded)
+        model, tokenizer = loaded.model, loaded.tokenizer
+
+        def session(kv_cache) -> ChatSession:
+            return ChatSession(model, tokenizer, cache=kv_cache, system_prompt=system_prompt or None,
+                               prefill_chunk_size=cache.prefill_chunk_size)
+
+        self.sides = {BOUNDED: session(new_cache(model, cache)),
+                      FULL: session(make_cache(model, "full"))}
+        self.labels = {BOUNDED: bounded_label(cache), FULL: FULL_LABEL}
+        self.series = TurnSeries()
+        self.turns = 0
+        self.divergences: list[str] = []  # one line per turn
+
+    def sessions(self) -> list[ChatSession]:
+        return list(self.sides.values())
+
+    def map_session(self) -> ChatSession:
+        return self.sides[BOUNDED]
+
+    def shown(self, side: str) -> list[dict[str, str]]:
+        return [dict(m) for m in self.sides[side].messages if m["role"] != "system"]
+
+
+class CompareTab:
+    """Built inside the compare tab's context; wires its events."""
+
+    def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
+        self.provider, self.settings, self.config = provider, settings, config
+        self.state = gr.State(None, delete_callback=close_state)
+        gr.Markdown(
+            "Each message goes to two sessions in this process, one on the cache settings "
+            "above and one keeping every token, with the same sampling seed; they decode "
+            "taking turns token by token. Until the bounded cache evicts, both replies are "
+            "identical.")
+        with gr.Row():
+            with gr.Column():
+                self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache), height=330,
+                                               elem_id="compare-bounded-chat")
+                self.bounded_gauge = gr.HTML(
+                    empty_gauge(bounded_label(config.cache), budget(config.cache)),
+                    css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
+            with gr.Column():
+                self.full_chat = gr.Chatbot(label=FULL_LABEL, height=330,
+                                            elem_id="compare-full-chat")
+                self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
+                                          elem_id="compare-full-gauge")
+        with gr.Row():
+            self.text = gr.Textbox(placeholder="A message for both, Enter to send",
+                                   show_label=False, scale=5, elem_id="compare-input")
+            self.send = gr.Button("Send to both", variant="primary", elem_id="compare-send")
+            self.stop = gr.Button("Stop", elem_id="compare-stop")
+            self.reset = gr.Button("Reset", elem_id="compare-reset")
+        self.divergence = gr.HTML("", elem_id="compare-divergence")
+        with gr.Row():
+            self.memory_plot = gr.LinePlot(x="turn", y="KV MB", color="cache", height=240,
+                                           title="KV cache memory after each turn (MB)",
+                                           elem_id="compare-memory-plot")
+            self.slots_plot = gr.LinePlot(x="turn", y="slots held", color="cache", height=240,
+                                          title="Slots held per layer and head",
+                                          elem_id="compare-slots-plot")
+        self.map = MapPanel("compare")
+        self._wire()
+
+    @property
+    def _outputs(self) -> list:
+        return [self.state, self.text, self.bounded_chat, self.full_chat, self.bounded_gauge,
+                self.full_gauge, self.divergence, self.memory_plot, self.slots_plot,
+                *self.map.outputs]
+
+    def _wire(self) -> None:
+        gr.on([self.text.submit, self.send.click], self._on_send,
+              {self.state, self.text, self.map.live, *self.settings.components, *self.map.pickers},
+              self._outputs, **GENERATING)
+        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
+                        show_progress="hidden")
+        self.reset.click(self._on_reset, {self.state, *self.settings.components}, self._outputs)
+        self.map.wire(self.state)
+
+    def _on_send(self, values: dict) -> Iterator[dict]:
+        text = values[self.text]
+        if not text.strip():
+            raise gr.Error("Type a message first.")
+        if not self.provider.ready:
+            gr.Info("Waiting for the model to load…")
+        loaded = wait_for_model(self.provider)
+        state = values[self.state] or CompareState(
+            loaded, self.settings.cache(values), self.config.generation.system_prompt)
+        sampling = self.settings.sampling(values)
+        if sampling["seed"] is None:  # one seed for both, so only the caches differ
+            sampling["seed"] = random.randrange(2**31)
+        chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
+        with state.running():
+            try:
+                streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
+            except ValueError as err:
+                raise gr.Error(str(err)) from None
+            turn = state.turns = state.turns + 1
+            shown = {side: state.shown(side) + [{"role": "user", "content": text}]
+                     for side in state.sides}
+            replies = dict.fromkeys(state.sides, "")
+            yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
+                   self.bounded_chat: gr.Chatbot(shown[BOUNDED], label=state.labels[BOUNDED])}
+            steps, throttle = Interleaved(streams), Throttle()
+            for side, chunk in steps:
+                if state.closed:
+                    return
+                replies[side] += chunk
+                update = {chats[side]: shown[side] + [{"role": "assistant", "content": replies[side]}]}
+                if throttle.due():
+                    update |= self._views(values, state, steps.busy, turn, final=False)
+                yield update
+            if not state.closed:
+                yield ({chats[side]: state.shown(side) for side in state.sides}
+                       | self._views(values, state, steps.busy, turn, final=True))
+
+    def _views(self, values: dict, state: CompareState, busy: dict[str, float], turn: int,
+               final: bool) -> dict:
+        """Both gauges, the per-turn plots, the divergence and (if live or at the end)
+        the bounded side's map, all from stats taken now, between two tokens."""
+        snapshots = {BOUNDED: state.take(), FULL: Snapshot.of(state.sides[FULL])}
+        gauges = {
+            side: Gauge.of(state.labels[side], snap.stats,
+                           decode_rate(snap.stats.generated, busy[side], snap.stats.prefill_seconds))
+            for side, snap in snapshots.items()
+        }
+        state.series.record(turn, list(gauges.values()))
+        frame = state.series.frame()
+        update = {
+            self.bounded_gauge: gauge_html(gauges[BOUNDED]),
+            self.full_gauge: gauge_html(gauges[FULL]),
+            self.memory_plot: frame,
+            self.slots_plot: frame,
+            self.divergence: self._divergence(state, turn),
+        }
+        if final or values[self.map.live]:
+            snap = snapshots[BOUNDED]
+            update |= self.map.render(state.loaded, snap.tokens, snap.stats.cache, values)
+        return update
+
+    def _divergence(self, state: CompareState, turn: int) -> str:
+        """Where this turn's replies first differ, under the lines of earlier turns."""
+        replies = {side: session.reply for side, session in state.sides.items()}
+        at = first_divergence(replies[BOUNDED], replies[FULL])
+        if at is None:
+            line = f"identical so far ({len(replies[FULL])} tokens)"
+        else:
+            after = {side: html.escape("".join(state.loaded.pieces(reply[at : at + _CONTEXT_TOKENS])))
+                     for side, reply in replies.items()}
+            line = (f'<span data-diverge-at="{at}">first differ at token {at}</span>: '
+                    f"{html.escape(state.labels[BOUNDED])} wrote <code>{after[BOUNDED]}</code>, "
+                    f"{FULL_LABEL} wrote <code>{after[FULL]}</code>")
+        del state.divergences[turn - 1 :]
+        state.divergences.append(f"<li>turn {turn}: {line}</li>")
+        return "<b>Where the replies diverge</b><ul>" + "".join(state.divergences) + "</ul>"
+
+    def _on_reset(self, values: dict) -> dict:
+        close_state(values[self.state])
+        cache = self.settings.cache(values)
+        return {self.state: None, self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),
+                self.full_chat: [],
+                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache)),
+                self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
+                self.memory_plot: None, self.slots_plot: None,
+                **{output: "" for output in self.map.outputs}}

@@ -1,0 +1,150 @@
+"""What the gauges show: slots, memory and speed of a session, read from its stats.
+
+Plain data and HTML (no Gradio): a ``Gauge`` per session and update, per-turn series of
+the compared caches for the line plots, and where two replies first differ.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from h2o_chat.session import SessionStats
+
+_MB = 1e6
+
+# For each gauge's gr.HTML (css_template, scoped to it).
+GAUGE_CSS = """
+.gauge { border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 10px; font-size: 13px; }
+.gauge .glabel { font-weight: 600; margin-bottom: 2px; }
+.gauge .gbar { height: 8px; background: #f3f4f6; border-radius: 4px; margin: 6px 0; }
+.gauge .gbar div { height: 100%; border-radius: 4px; background: #2563eb; }
+.gauge .gstate { color: #374151; }
+.gauge[data-state="filling"] .gstate, .gauge[data-state="empty"] .gstate { color: #047857; }
+.gauge[data-state="full"] .gbar div { background: #d97706; }
+.gauge .gnums { color: #6b7280; margin-top: 4px; }
+"""
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One session's numbers at one moment, all from ``session.stats()``."""
+
+    label: str
+    tokens: int  # in the conversation
+    seen: int  # fed to the cache
+    held: int  # slots per layer and head
+    pinned: int
+    budget: int | None  # None: the full cache, no bound
+    kv_bytes: int
+    tokens_per_s: float
+    prefill_seconds: float
+
+    @classmethod
+    def of(cls, label: str, stats: SessionStats, tokens_per_s: float | None = None) -> Gauge:
+        """``tokens_per_s`` overrides the session's own rate (e.g. its rate while it
+        alone was computing, when two sessions take turns)."""
+        cache = stats.cache
+        return cls(
+            label=label,
+            tokens=stats.tokens,
+            seen=cache.seen,
+            held=cache.held,
+            pinned=cache.pinned,
+            budget=cache.budget,
+            kv_bytes=cache.kv_bytes,
+            tokens_per_s=stats.decode_tokens_per_s if tokens_per_s is None else tokens_per_s,
+            prefill_seconds=stats.prefill_seconds,
+        )
+
+    @property
+    def kv_mb(self) -> float:
+        return self.kv_bytes / _MB
+
+    @property
+    def state(self) -> str:
+        """``empty`` (nothing fed yet), ``full`` (unbounded cache), ``filling`` (under
+        budget: nothing evicted yet) or ``at-budget`` (evicting)."""
+        if self.seen == 0:
+            return "empty"
+        if self.budget is None:
+            return "full"
+        return "at-budget" if self.held >= self.budget else "filling"
+
+    @property
+    def evicted(self) -> int:
+        """Tokens each layer and head has evicted so far."""
+        return self.seen - self.held
+
+
+def _state_line(g: Gauge) -> str:
+    waiting = g.tokens - g.seen
+    if g.state == "empty":
+        if waiting:
+            return f"nothing fed yet: {waiting} tokens are read on the next send"
+        return "budget not reached yet: the cache is empty"
+    if g.state == "full":
+        return "full cache: keeps every token, so memory grows with the conversation"
+    if g.state == "filling":
+        return (f"budget not reached yet: nothing evicted, {g.budget - g.held} slots free "
+                "(the cache grows until then)")
+    return (f"at budget: {g.evicted} tokens evicted per layer and head so far; "
+            "memory stays flat from here on")
+
+
+def gauge_html(g: Gauge) -> str:
+    """The token counter (seen vs held vs budget), its state in words, memory and speed.
+    The numbers are also ``data-*`` attributes, for tests and scripts."""
+    budget = "∞" if g.budget is None else str(g.budget)
+    budget_attr = "" if g.budget is None else str(g.budget)
+    fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
+    return (
+        f'<div class="gauge" data-state="{g.state}" data-tokens="{g.tokens}" '
+        f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '
+        f'data-kv-bytes="{g.kv_bytes}" data-tps="{g.tokens_per_s:.2f}">'
+        f'<div class="glabel">{html.escape(g.label)}</div>'
+        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · "
+        f"budget <b>{budget}</b>{f' ({g.pinned} pinned)' if g.pinned else ''}</div>"
+        f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
+        f'<div class="gstate">{_state_line(g)}</div>'
+        f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> · '
+        f"<b>{g.tokens_per_s:.1f}</b> tokens/s decoding · prefill {g.prefill_seconds:.2f} s</div>"
+        "</div>"
+    )
+
+
+@dataclass
+class TurnSeries:
+    """KV memory and slots held per turn of several caches, for the line plots. The
+    turn in progress is recorded again on every update, so the plots move live."""
+
+    rows: list[dict] = field(default_factory=list)
+
+    def record(self, turn: int, gauges: Sequence[Gauge]) -> None:
+        self.rows = [row for row in self.rows if row["turn"] != turn]
+        self.rows += [
+            {"turn": turn, "cache": g.label, "KV MB": round(g.kv_mb, 3), "slots held": g.held}
+            for g in gauges
+        ]
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=["turn", "cache", "KV MB", "slots held"])
+
+
+def decode_rate(generated: int, busy_seconds: float, prefill_seconds: float) -> float:
+    """Tokens per second of decoding, from the time a session spent in its own steps: the
+    first token comes out of the prefill, each later one costs a forward pass."""
+    decoding = busy_seconds - prefill_seconds
+    return (generated - 1) / decoding if generated > 1 and decoding > 0 else 0.0
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter one's length if
+    one is a prefix of the other); None when they are equal."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,78 @@
+"""The one model instance all browser sessions share, loaded in the background."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .retention import TokenPieces
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    pieces: TokenPieces
+    name: str
+    layers: int
+    kv_heads: int
+    load_seconds: float
+
+
+class ModelProvider:
+    """Loads the model once, in a background thread, so the page opens while it loads;
+    handlers call ``get()``, which waits for it."""
+
+    def __init__(self, loader: Callable[[], tuple[Any, Any]], name: str) -> None:
+        self._loader, self._name = loader, name
+        self._done = threading.Event()
+        self._loaded: LoadedModel | None = None
+        self._error: BaseException | None = None
+        self._started = 0.0
+
+    def start(self) -> ModelProvider:
+        self._started = time.monotonic()
+        threading.Thread(target=self._load, name="model-loader", daemon=True).start()
+        return self
+
+    def _load(self) -> None:
+        try:
+            model, tokenizer = self._loader()
+            config = model.config.get_text_config(decoder=True)
+            self._loaded = LoadedModel(
+                model=model,
+                tokenizer=tokenizer,
+                pieces=TokenPieces(tokenizer),
+                name=self._name,
+                layers=config.num_hidden_layers,
+                kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                load_seconds=time.monotonic() - self._started,
+            )
+        except BaseException as err:  # shown on the page and raised to every handler
+            self._error = err
+        finally:
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded is not None
+
+    def get(self) -> LoadedModel:
+        """The loaded model, waiting for it if needed; RuntimeError if loading failed."""
+        self._done.wait()
+        if self._loaded is None:
+            raise RuntimeError(f"the model failed to load: {self._error}")
+        return self._loaded
+
+    def status(self) -> str:
+        """One line of Markdown for the page: loading, ready or failed."""
+        if self._error is not None:
+            return f"**Model failed to load:** {self._error}"
+        if self._loaded is None:
+            return f"**Loading the model…** ({time.monotonic() - self._started:.0f} s so far)"
+        m = self._loaded
+        return (f"Model ready: **{m.name}** · {m.layers} layers × {m.kv_heads} KV heads · "
+                f"loaded in {m.load_seconds:.1f} s")

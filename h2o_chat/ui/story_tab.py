@@ -1,0 +1,126 @@
+"""The story view: notebook-style long generation on a bounded cache, with a story bible
+whose tokens are never evicted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gradio as gr
+
+from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.session import StorySession
+
+from .chat_tab import GENERATING, empty_gauge, wait_for_model
+from .gauges import GAUGE_CSS
+from .map_panel import MapPanel, gauge_and_map
+from .provider import LoadedModel, ModelProvider
+from .settings import Settings, budget, new_cache
+from .streaming import stream_turn
+from .view_state import ViewState, close_state, stop_state
+
+GAUGE_LABEL = "Story cache"
+
+
+def bible_prefix(bible: str) -> str:
+    """The text before the story: the bible, set off from the story by a blank line."""
+    return f"{bible.strip()}\n\n" if bible.strip() else ""
+
+
+class StoryState(ViewState):
+    """One browser's story: a session whose cache starts with the protected bible."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str) -> None:
+        super().__init__(loaded)
+        self.bible = bible
+        self.session = StorySession(loaded.model, loaded.tokenizer,
+                                    cache=new_cache(loaded.model, cache),
+                                    bible=bible_prefix(bible),
+                                    prefill_chunk_size=cache.prefill_chunk_size)
+
+    def sessions(self) -> list[StorySession]:
+        return [self.session]
+
+    def continues(self, bible: str, story: str) -> bool:
+        """Whether ``story`` only adds to what this session holds, so feeding the rest
+        is enough (else the cache must be rebuilt: it cannot un-see text)."""
+        return bible == self.bible and story.startswith(self.session.text)
+
+
+class StoryTab:
+    """Built inside the story tab's context; wires its events."""
+
+    def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
+        self.provider, self.settings = provider, settings
+        self.state = gr.State(None, delete_callback=close_state)
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.bible = gr.Textbox(
+                    lines=3, elem_id="story-bible",
+                    label="Story bible: characters and facts, protected from eviction",
+                    placeholder="e.g. Mira: a lighthouse keeper on a northern island. "
+                                "Tomas: her younger brother, a fisherman.")
+                self.story = gr.Textbox(
+                    lines=14, max_lines=30, elem_id="story-text",
+                    label="Story so far: edit it freely, then continue",
+                    placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
+                with gr.Row():
+                    self.tokens = gr.Slider(1, 1024, value=64, step=1, scale=3,
+                                            label="tokens per continue", elem_id="story-tokens")
+                    self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
+                    self.stop = gr.Button("Stop", elem_id="story-stop")
+                    self.new = gr.Button("New story", elem_id="story-new")
+            with gr.Column(scale=2):
+                self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
+                                     css_template=GAUGE_CSS, elem_id="story-gauge")
+                gr.Markdown(
+                    "**Continue** appends tokens to the text, streaming. If you edit the text "
+                    "and the start is unchanged, only the new part is read; otherwise (or if "
+                    "the bible changes) the story is read again into a fresh cache. The bible "
+                    "is pinned, so the model can refer to it however long the story gets.")
+        self.map = MapPanel("story")
+        self._wire()
+
+    def _wire(self) -> None:
+        outputs = [self.state, self.story, self.gauge, *self.map.outputs]
+        self.go.click(
+            self._on_continue,
+            {self.state, self.bible, self.story, self.tokens, self.map.live,
+             *self.settings.components, *self.map.pickers},
+            outputs, **GENERATING)
+        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
+                        show_progress="hidden")
+        self.new.click(self._on_new, {self.state, *self.settings.components}, outputs)
+        self.map.wire(self.state)
+
+    def _on_continue(self, values: dict) -> Iterator[dict]:
+        bible, story = values[self.bible], values[self.story]
+        if not story.strip() and not bible.strip():
+            raise gr.Error("Write a beginning (or a story bible) to continue from.")
+        if not self.provider.ready:
+            gr.Info("Waiting for the model to load…")
+        loaded = wait_for_model(self.provider)
+        state = values[self.state]
+        if state is None or not state.continues(bible, story):
+            close_state(state)
+            state = StoryState(loaded, self.settings.cache(values), bible)
+        sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
+        with state.running():
+            try:
+                stream = state.session.send(story[len(state.session.text):], **sampling)
+            except ValueError as err:
+                raise gr.Error(str(err)) from None
+            yield {self.state: state}
+            yield from stream_turn(
+                stream,
+                show=lambda added: {self.story: story + added},
+                views=lambda final: gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state,
+                                                  values, final),
+                final=lambda: {self.story: state.session.text},
+                closed=lambda: state.closed,
+            )
+
+    def _on_new(self, values: dict) -> dict:
+        close_state(values[self.state])
+        return {self.state: None, self.story: "",
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                **{output: "" for output in self.map.outputs}}

@@ -1,0 +1,80 @@
+"""Pacing of streamed updates: throttled map/gauge pushes and sessions taking turns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
+
+# Map and gauges are pushed at most this often while tokens stream (text goes out on
+# every token): rendering them on every token would slow decoding on a small CPU.
+UPDATE_INTERVAL_S = 0.3
+
+
+class Throttle:
+    """``due()`` is True at most once per ``interval`` seconds, and on the first call."""
+
+    def __init__(self, interval: float = UPDATE_INTERVAL_S) -> None:
+        self.interval = interval
+        self._last = float("-inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return False
+        self._last = now
+        return True
+
+
+class Interleaved:
+    """Several text streams advanced one chunk each in turn, so they stream together in
+    one generator. ``busy[key]`` is the time spent inside that stream's own steps, which
+    gives each its real speed although they share the CPU."""
+
+    def __init__(self, streams: Mapping[str, Generator[str, None, None]]) -> None:
+        self._streams = dict(streams)
+        self.busy = {key: 0.0 for key in streams}
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        try:
+            while self._streams:
+                for key, stream in list(self._streams.items()):
+                    started = time.perf_counter()
+                    try:
+                        chunk = next(stream)
+                    except StopIteration:
+                        del self._streams[key]
+                        continue
+                    finally:
+                        self.busy[key] += time.perf_counter() - started
+                    yield key, chunk
+        finally:
+            # Abandoned midway (client gone): end each turn now, so its session records
+            # the partial reply and frees its turn lock.
+            for stream in self._streams.values():
+                stream.close()
+
+
+
+def stream_turn(
+    stream: Iterator[str],
+    show: Callable[[str], dict],
+    views: Callable[[bool], dict],
+    final: Callable[[], dict],
+    closed: Callable[[], bool],
+) -> Iterator[dict]:
+    """The updates of one streamed turn: ``show(text so far)`` on every chunk, plus
+    ``views(final=False)`` (gauges, map) when the throttle lets them through, in step
+    with the tokens; at the end ``final() | views(True)``. Stops quietly once ``closed()``
+    (the view was reset meanwhile, so its outputs belong to someone else now)."""
+    throttle = Throttle()
+    text = ""
+    for chunk in stream:
+        if closed():
+            return
+        text += chunk
+        update = show(text)
+        if throttle.due():
+            update |= views(False)
+        yield update
+    if not closed():
+        yield final() | views(True)

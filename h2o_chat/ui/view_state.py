@@ -1,0 +1,96 @@
+"""Per-browser state of a view: its sessions, one turn at a time, and map snapshots."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import gradio as gr
+
+from h2o_chat.session import Session, SessionStats
+
+from .provider import LoadedModel
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's tokens and stats at one moment, taken between two tokens."""
+
+    tokens: list[int]
+    stats: SessionStats
+
+    @classmethod
+    def of(cls, session: Session) -> Snapshot:
+        return cls(list(session.tokens), session.stats())
+
+
+class ViewState:
+    """Kept in a ``gr.State``: Gradio deletes it when the browser session ends, and its
+    ``close`` (the state's delete callback) stops what still runs and lets go of the
+    caches."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self._turn = threading.Lock()
+        self._last: Snapshot | None = None
+        self.closed = False
+
+    def sessions(self) -> list[Session]:
+        raise NotImplementedError
+
+    def map_session(self) -> Session:
+        """The session the retained-token map shows."""
+        return self.sessions()[0]
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Hold the view's turn: two turns (or a turn and an edit) never overlap."""
+        # A plain Lock, not an RLock: Gradio may resume a generator in another thread.
+        if not self._turn.acquire(blocking=False):
+            raise gr.Error("A reply is still streaming: press Stop first.")
+        try:
+            yield
+        finally:
+            self._turn.release()
+
+    def take(self) -> Snapshot:
+        """A fresh snapshot of the map's session; call it only from the thread running
+        the turn (between tokens), or when no turn runs."""
+        self._last = Snapshot.of(self.map_session())
+        return self._last
+
+    def snapshot(self) -> Snapshot | None:
+        """What the map can show now without touching a cache mid-forward: fresh when no
+        turn runs, else the last snapshot the turn took (None before its first)."""
+        if self._turn.acquire(blocking=False):
+            try:
+                return self.take()
+            finally:
+                self._turn.release()
+        return self._last
+
+    def forget_snapshot(self) -> None:
+        """After the sessions are replaced, the last snapshot describes a dead cache."""
+        self._last = None
+
+    def stop(self) -> None:
+        """End the running turn after its current token (any thread)."""
+        for session in self.sessions():
+            session.stop()
+
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
+
+
+def close_state(state: ViewState | None) -> None:
+    """``gr.State`` delete callback, and what resetting a view does to its old state."""
+    if state is not None:
+        state.close()
+
+
+def stop_state(state: ViewState | None) -> None:
+    if state is not None:
+        state.stop()

@@ -1,0 +1,132 @@
+"""The real app in a subprocess and Debian's chromium driven by Playwright, for the
+browser tests and the screenshot script. Playwright never downloads a browser here: it
+drives /usr/bin/chromium (``make test`` installs it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from playwright.sync_api import Page
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+DONE_TIMEOUT_MS = 120_000
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_app(*args: str, timeout: float = 120) -> Iterator[str]:
+    """Start ``app.py`` on a free port with ``args``; yield its URL once it answers; stop
+    it at the end. Its output goes to a log that a failure to start shows."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the app exited with {process.returncode}:\n{Path(log.name).read_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the app did not answer within {timeout} s:\n"
+                                       f"{Path(log.name).read_text()}") from None
+                time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+@contextmanager
+def chromium(playwright) -> Iterator:
+    """Headless Debian chromium. ``launch`` gives it a fresh temporary profile (user data
+    dir) of its own, removed on close."""
+    if not Path(CHROMIUM).is_file():
+        raise RuntimeError(f"{CHROMIUM} is missing: `make test` installs it "
+                           "(or: apt-get install -y chromium)")
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=CHROMIUM_ARGS)
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def open_app(browser, url: str, width: int = 1400, height: int = 1000) -> Page:
+    """A page in a new context (a new Gradio session), once the model is ready."""
+    page = browser.new_context(viewport={"width": width, "height": height}).new_page()
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
+    return page
+
+
+def set_number(page: Page, elem_id: str, value: float) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def configure(page: Page, **numbers: float) -> None:
+    """Open the settings and set number boxes by element id (``max_new_tokens`` ->
+    ``#max-new-tokens``). Greedy decoding unless ``temperature`` is given."""
+    page.click("#settings")
+    for name, value in {"temperature": 0, **numbers}.items():
+        set_number(page, name.replace("_", "-"), value)
+
+
+def start_and_wait(page: Page, click: str) -> None:
+    """Click ``click`` and wait until the event it starts has finished streaming."""
+    page.click(click)
+    try:  # Gradio marks the outputs of a running event with .generating
+        page.wait_for_selector(".generating", timeout=10_000)
+    except PlaywrightTimeout:
+        pass  # already over
+    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+
+
+def send(page: Page, box: str, button: str, text: str) -> None:
+    page.fill(f"{box} textarea", text)
+    start_and_wait(page, button)
+
+
+def gauge(page: Page, elem_id: str) -> dict[str, str]:
+    return page.locator(f"#{elem_id} .gauge").evaluate("e => ({...e.dataset})")
+
+
+def messages(page: Page, chatbot: str, role: str) -> list[str]:
+    return page.locator(f"#{chatbot} [data-testid={role}]").all_inner_texts()
+
+
+def open_tab(page: Page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()

@@ -1,0 +1,22 @@
+"""app.py's flags become config overrides; only the flags given override the file."""
+
+import app
+from h2o_chat.config import load_config
+
+
+def test_no_flags_keep_the_config():
+    args = app.parse_args([])
+    assert app.overrides(args) == {}
+    config = load_config(args.config, app.overrides(args))
+    assert (config.server.host, config.server.port, config.server.share) == ("127.0.0.1", 7860, False)
+
+
+def test_flags_override_server_and_cache():
+    args = app.parse_args(["--host", "0.0.0.0", "--port", "9000", "--share",
+                           "--policy", "sink", "--recent", "64", "--sink", "8"])
+    assert app.overrides(args) == {
+        "server": {"host": "0.0.0.0", "port": 9000, "share": True},
+        "cache": {"policy": "sink", "recent": 64, "sink": 8},
+    }
+    config = load_config(None, app.overrides(args))
+    assert config.server.share and config.cache.recent == 64 and config.cache.heavy == 128

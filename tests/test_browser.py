@@ -1,0 +1,163 @@
+"""End to end: the real app (``app.py`` on the embedded model, a subprocess on a free port)
+driven through Debian's chromium with Playwright."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from .browser_support import (
+    DONE_TIMEOUT_MS, chromium, configure, gauge, messages, open_app, open_tab, running_app, send,
+    set_number, start_and_wait,
+)
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright, chromium(playwright) as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = open_app(browser, app_url)
+    yield page
+    page.context.close()
+
+
+# ---- chat --------------------------------------------------------------------------------
+
+
+def test_chat_reply_streams_and_the_token_counter_moves(page):
+    configure(page, max_new_tokens=32)
+    before = gauge(page, "chat-gauge")
+    assert before["seen"] == "0" and before["state"] == "empty"
+    assert "budget not reached yet" in page.inner_text("#chat-gauge")
+    page.fill("#chat-input textarea", "Tell me about cats.")
+    page.click("#chat-send")
+    lengths = []  # the reply's length, sampled while it streams
+    page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+    while page.locator(".generating").count():
+        lengths.append(len("".join(messages(page, "chatbot", "bot"))))
+        time.sleep(0.05)
+    reply = messages(page, "chatbot", "bot")
+    assert len(reply) == 1 and reply[0].strip()
+    assert len({n for n in lengths if n}) >= 2, lengths  # seen at several lengths
+    after = gauge(page, "chat-gauge")
+    assert int(after["seen"]) > 21 and int(after["held"]) == int(after["seen"])
+    assert after["state"] == "filling" and "budget not reached yet" in page.inner_text("#chat-gauge")
+    # The map shows every token of the conversation.
+    assert page.locator("#chat-token-map .tokmap span").count() == int(after["tokens"])
+    assert page.locator("#chat-heat-map img").count() == 1
+
+
+def test_stop_during_a_long_reply_then_a_new_turn_works(page):
+    configure(page, max_new_tokens=400)
+    page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+    page.click("#chat-send")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+        ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
+    page.click("#chat-stop")
+    page.wait_for_selector(".generating", state="detached", timeout=30_000)
+    stopped = gauge(page, "chat-gauge")
+    assert int(stopped["tokens"]) < 21 + 30 + 200  # far fewer than the 400 asked for
+    set_number(page, "max-new-tokens", 16)
+    send(page, "#chat-input", "#chat-send", "Thanks, that is enough.")
+    assert messages(page, "chatbot", "user") == ["Count from one to two hundred in words.",
+                                                  "Thanks, that is enough."]
+    replies = messages(page, "chatbot", "bot")
+    assert len(replies) == 2 and all(r.strip() for r in replies)
+    assert int(gauge(page, "chat-gauge")["seen"]) > int(stopped["seen"])
+
+
+def test_regenerate_and_undo_rebuild_the_chat(page):
+    configure(page, max_new_tokens=24)
+    send(page, "#chat-input", "#chat-send", "Name a fruit.")
+    first = messages(page, "chatbot", "bot")
+    start_and_wait(page, "#chat-regenerate")
+    assert messages(page, "chatbot", "bot") == first  # greedy: the same reply again
+    page.click("#chat-undo")
+    page.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
+    assert page.input_value("#chat-input textarea") == "Name a fruit."
+    page.wait_for_function("() => document.querySelector('#chat-gauge .gauge').dataset.seen === '0'")
+    assert "nothing fed yet" in page.inner_text("#chat-gauge")
+
+
+def test_two_browser_contexts_chat_at_once_with_separate_histories(browser, app_url):
+    pages = [open_app(browser, app_url) for _ in range(2)]
+    questions = ["What is the capital of France?", "Name three colours."]
+    try:
+        for page in pages:
+            configure(page, max_new_tokens=24)
+        for page, question in zip(pages, questions):
+            page.fill("#chat-input textarea", question)
+        for page in pages:
+            page.click("#chat-send")
+        for page in pages:
+            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        for page in pages:
+            page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+        for page, question in zip(pages, questions):
+            assert messages(page, "chatbot", "user") == [question]
+            replies = messages(page, "chatbot", "bot")
+            assert len(replies) == 1 and replies[0].strip()
+        assert messages(pages[0], "chatbot", "bot") != messages(pages[1], "chatbot", "bot")
+    finally:
+        for page in pages:
+            page.context.close()
+
+
+# ---- story -------------------------------------------------------------------------------
+
+
+def test_story_continues_twice_with_the_cache_at_budget(page):
+    open_tab(page, "Story")
+    configure(page, heavy=16, recent=16)
+    page.fill("#story-bible textarea", "Mira: a lighthouse keeper. Tomas: her brother, a fisherman.")
+    beginning = "The storm reached the island at dusk."
+    page.fill("#story-text textarea", beginning)
+    set_number(page, "story-tokens", 40)
+    texts, seen = [], []
+    for _ in range(2):
+        start_and_wait(page, "#story-continue")
+        texts.append(page.input_value("#story-text textarea"))
+        g = gauge(page, "story-gauge")
+        seen.append(int(g["seen"]))
+        # Held at budget: 16 heavy + 16 recent + 4 sink slots, plus the pinned bible.
+        assert g["state"] == "at-budget" and int(g["held"]) == int(g["budget"]) > 36
+    assert texts[0].startswith(beginning) and len(texts[0]) > len(beginning)
+    assert texts[1].startswith(texts[0]) and len(texts[1]) > len(texts[0])
+    assert seen[1] > seen[0] > int(g["budget"])
+    evicted = page.locator("#story-token-map .tokmap span.ev").count()
+    assert evicted > 0
+
+
+# ---- compare -----------------------------------------------------------------------------
+
+
+def test_compare_shows_both_replies_and_the_full_cache_grows_larger(page):
+    open_tab(page, "Compare")
+    configure(page, heavy=16, recent=16, max_new_tokens=24)
+    questions = ["Name a fruit.", "What colour is it?", "Where does it grow?"]
+    for question in questions:
+        send(page, "#compare-input", "#compare-send", question)
+    for chat in ("compare-bounded-chat", "compare-full-chat"):
+        assert messages(page, chat, "user") == questions
+        replies = messages(page, chat, "bot")
+        assert len(replies) == 3 and all(r.strip() for r in replies)
+    bounded, full = gauge(page, "compare-bounded-gauge"), gauge(page, "compare-full-gauge")
+    assert int(full["kvBytes"]) > int(bounded["kvBytes"])
+    assert int(full["held"]) > int(bounded["held"]) == int(bounded["budget"])
+    assert float(bounded["tps"]) > 0 and float(full["tps"]) > 0
+    assert "turn 3" in page.inner_text("#compare-divergence")
+    for plot in ("compare-memory-plot", "compare-slots-plot"):
+        assert page.locator(f"#{plot} canvas, #{plot} svg").count() > 0

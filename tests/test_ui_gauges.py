@@ -1,0 +1,126 @@
+"""Gauge data, per-turn series, divergence and stream pacing: plain functions of stats."""
+
+import re
+import time
+from dataclasses import replace
+
+from h2o_chat import ChatSession, make_cache
+from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, first_divergence, gauge_html
+from h2o_chat.ui.streaming import Interleaved, Throttle, stream_turn
+
+
+def attributes(page: str) -> dict[str, str]:
+    return dict(re.findall(r'data-([\w-]+)="([^"]*)"', page))
+
+
+def test_gauge_follows_the_session_from_empty_to_at_budget(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=8, recent=8, sink=4))
+    empty = Gauge.of("chat", session.stats())
+    assert empty.state == "empty" and empty.kv_bytes == 0
+    assert "nothing fed yet" in gauge_html(empty)  # the system prompt waits for the first send
+    "".join(session.send("Hello there, how are you today?", temperature=0, max_new_tokens=12))
+    stats = session.stats()
+    gauge = Gauge.of("chat", stats)
+    assert (gauge.seen, gauge.held, gauge.budget, gauge.kv_bytes) == (
+        stats.cache.seen, stats.cache.held, stats.cache.budget, stats.cache.kv_bytes)
+    assert gauge.state == "at-budget" and gauge.evicted == stats.cache.seen - stats.cache.held > 0
+    page = gauge_html(gauge)
+    assert attributes(page) == {
+        "state": "at-budget", "tokens": str(stats.tokens), "seen": str(stats.cache.seen),
+        "held": str(stats.cache.held), "budget": str(stats.cache.budget),
+        "kv-bytes": str(stats.cache.kv_bytes), "tps": f"{stats.decode_tokens_per_s:.2f}",
+    }
+    assert f"{gauge.evicted} tokens evicted" in page
+
+
+def test_gauge_states_in_words():
+    def gauge(**kw):
+        base = dict(label="x", tokens=50, seen=49, held=49, pinned=0, budget=100,
+                    kv_bytes=10**6, tokens_per_s=3.0, prefill_seconds=0.1)
+        return Gauge(**base | kw)
+
+    assert gauge().state == "filling" and "budget not reached yet" in gauge_html(gauge())
+    assert "51 slots free" in gauge_html(gauge())
+    assert gauge(budget=None).state == "full" and "budget <b>∞</b>" in gauge_html(gauge(budget=None))
+    assert gauge(seen=0, held=0, tokens=0).state == "empty"
+    assert "budget not reached yet" in gauge_html(gauge(seen=0, held=0, tokens=0))
+    assert gauge(held=100, seen=300).state == "at-budget"
+    assert "1.00 MB" in gauge_html(gauge())
+
+
+def test_turn_series_replaces_the_live_turn():
+    series = TurnSeries()
+    a = Gauge("h2o", 10, 10, 10, 0, 40, 2_000_000, 1.0, 0.0)
+    b = Gauge("full", 10, 10, 10, 0, None, 2_000_000, 1.0, 0.0)
+    series.record(1, [a, b])
+    series.record(2, [a, b])
+    series.record(2, [a, replace(b, held=20, kv_bytes=4_000_000)])
+    frame = series.frame()
+    assert list(frame.columns) == ["turn", "cache", "KV MB", "slots held"]
+    assert len(frame) == 4
+    last = frame[(frame.turn == 2) & (frame.cache == "full")].iloc[0]
+    assert (last["KV MB"], last["slots held"]) == (4.0, 20)
+
+
+def test_first_divergence_and_decode_rate():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], []) is None
+    assert decode_rate(11, busy_seconds=3.0, prefill_seconds=1.0) == 5.0
+    assert decode_rate(1, 3.0, 1.0) == 0.0
+
+
+def test_throttle_lets_one_update_through_per_interval():
+    throttle = Throttle(0.05)
+    assert throttle.due() and not throttle.due()
+    time.sleep(0.06)
+    assert throttle.due()
+
+
+def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update():
+    def slow(chunks):
+        for chunk in chunks:
+            time.sleep(0.02)
+            yield chunk
+
+    updates = list(stream_turn(
+        slow(["a", "b", "c", "d", "e"]),
+        show=lambda text: {"text": text},
+        views=lambda final: {"views": "final" if final else "live"},
+        final=lambda: {"text": "done"},
+        closed=lambda: False,
+    ))
+    assert [u["text"] for u in updates] == ["a", "ab", "abc", "abcd", "abcde", "done"]
+    assert updates[0]["views"] == "live"  # the first chunk always updates the views
+    assert sum("views" in u for u in updates[1:-1]) == 0  # 0.3 s not elapsed since
+    assert updates[-1]["views"] == "final"
+    assert list(stream_turn(iter(["a"]), lambda t: {}, lambda f: {}, lambda: {}, lambda: True)) == []
+
+
+def test_interleaved_streams_alternate_and_time_each_side():
+    def stream(name, n, delay):
+        for i in range(n):
+            time.sleep(delay)
+            yield f"{name}{i}"
+
+    steps = Interleaved({"a": stream("a", 3, 0.01), "b": stream("b", 2, 0.03)})
+    assert [chunk for _, chunk in steps] == ["a0", "b0", "a1", "b1", "a2"]
+    assert 0.02 < steps.busy["a"] < steps.busy["b"]
+
+
+def test_interleaved_closes_the_streams_it_abandons():
+    closed = []
+
+    def stream():
+        try:
+            yield "x"
+            yield "y"
+        finally:
+            closed.append(True)
+
+    steps = iter(Interleaved({"a": stream()}))
+    next(steps)
+    steps.close()
+    assert closed == [True]
