@@ -1,0 +1,132 @@
+"""Comparison 5: a long chat. MT-Bench's questions (both turns, in file order) go through
+ONE ``ChatSession`` per policy, greedy replies capped at ``max_new_tokens``.
+
+Turn 1 states a fact (a name and a number); after 10, 20 and 40 further turns a probe asks
+for it. A probe runs on a deep copy of the session's cache, so it never changes the
+conversation the other numbers come from. "Protected" runs pin the whole first user turn
+with ``cache.protect`` (the system prompt is protected in every run, the app's default).
+
+Recorded after every turn: slots held, KV bytes (allocated and in use), tokens seen, and
+the turn's wall time (prefill + decode).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from h2o_chat.cache import make_cache
+from h2o_chat.session import ChatSession
+
+from . import data
+from .variants import bench_cache
+
+FACT = "Before we start, please remember this: my name is Marisol Quentaro and my locker code is 4817."
+PROBE = "Quick check before we go on: what is my name, and what is my locker code?"
+PROBE_AFTER = (10, 20, 40)
+
+
+def recalled(answer: str) -> dict:
+    name = "quentaro" in answer.lower() or "marisol" in answer.lower()
+    number = "4817" in answer
+    return {"name": name, "number": number, "recalled": name and number}
+
+
+def _new_turn_tokens(session: ChatSession, text: str) -> int:
+    """How many tokens the session will append for user message ``text`` (its own rule)."""
+    tok = session.tokenizer
+    rendered = tok.apply_chat_template(session.messages + [{"role": "user", "content": text}],
+                                       tokenize=False, add_generation_prompt=True)
+    return len(tok(rendered[len(session._text):], add_special_tokens=False).input_ids)
+
+
+def probe(session: ChatSession, question: str, max_new_tokens: int = 24) -> str:
+    """Greedy answer to ``question`` from a copy of the session's state."""
+    tok, model = session.tokenizer, session.model
+    cache = copy.deepcopy(session.cache)
+    rendered = tok.apply_chat_template(session.messages + [{"role": "user", "content": question}],
+                                       tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(session._text)
+    new = session.tokens[session.fed:] + tok(rendered[len(session._text):], add_special_tokens=False).input_ids
+    out = []
+    with torch.inference_mode():
+        ids = torch.tensor([new])
+        for piece in ids.split(256, dim=1):
+            logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        for _ in range(max_new_tokens):
+            token = int(logits.argmax(-1))
+            if token in session.eos_ids:
+                break
+            out.append(token)
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[:, -1]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def chat_run(model, tokenizer, label: str, cache, user_turns: list[str], max_new_tokens: int,
+             protect_fact: bool, log=print) -> dict:
+    session = ChatSession(model, tokenizer, cache=cache)
+    turns, probes = [], []
+    budget = None
+    for turn, text in enumerate([FACT] + user_turns):
+        if turn == 0 and protect_fact:
+            start = len(session.tokens)
+            session.cache.protect(start, start + _new_turn_tokens(session, text))
+        started = time.perf_counter()
+        reply = "".join(session.send(text, max_new_tokens=max_new_tokens, temperature=0))
+        seconds = time.perf_counter() - started
+        stats = session.cache.stats()
+        budget = stats.budget
+        turns.append({"turn": turn, "seconds": seconds, "held": stats.held, "kv_bytes": stats.kv_bytes,
+                      "held_bytes": stats.held_bytes, "seen": stats.seen, "budget": stats.budget,
+                      "pinned": stats.pinned, "reply_tokens": len(session.reply)})
+        if turn == 0:
+            turns[-1]["reply"] = reply
+        if turn in PROBE_AFTER:
+            answer = probe(session, PROBE)
+            probes.append({"after_turns": turn, "answer": answer, **recalled(answer)})
+        if turn % 10 == 0:
+            log(f"  chat {label}: turn {turn}/{len(user_turns)} held {stats.held} seen {stats.seen} "
+                f"({seconds:.1f}s)")
+    return {"label": label, "budget": budget, "protect_fact": protect_fact, "turns": turns, "probes": probes,
+            "policy": session.cache.stats().policy}
+
+
+def run(model, tokenizer, n_questions: int, max_new_tokens: int, budget: int = 512, sink: int = 4,
+        extra=None, log=print) -> dict:
+    questions = data.mt_bench_questions(n_questions)
+    user_turns = [t for q in questions for t in q["turns"]]
+    heavy = (budget - sink) // 2
+    recent = budget - sink - heavy
+    configs = [
+        ("full", lambda: make_cache(model, "full"), False),
+        ("h2o", lambda: make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink), False),
+        ("h2o, fact protected", lambda: make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink), True),
+        ("sink", lambda: make_cache(model, "sink", sink=sink, recent=budget - sink), False),
+        ("recent", lambda: make_cache(model, "recent", recent=budget), False),
+    ]
+    if extra is not None:
+        v = extra(budget)
+        configs.append((v.label, lambda: bench_cache(model, [v]), False))
+    runs = []
+    for label, make, protect in configs:
+        started = time.perf_counter()
+        runs.append(chat_run(model, tokenizer, label, make(), user_turns, max_new_tokens, protect, log))
+        log(f"  chat {label}: {len(user_turns) + 1} turns in {time.perf_counter() - started:.0f}s")
+    notes = [
+        f"{len(questions)} MT-Bench questions x 2 turns after a fact turn = {len(user_turns) + 1} turns per "
+        f"session; greedy replies of at most {max_new_tokens} tokens; budget {budget} slots "
+        f"(h2o: sink {sink}, heavy {heavy}, recent {recent}; sink: {sink} + {budget - sink}; recent: {budget}); "
+        "the system prompt is protected (pinned) in every run, adding its tokens to the slots held.",
+        f"Recall probe: turn 0 says \"{FACT}\"; after turns {', '.join(map(str, PROBE_AFTER))} a copy of the "
+        f"session is asked \"{PROBE}\"; 'yes' = the answer contains the name and 4817.",
+        "KV MB counts the cache's allocated buffers (keys, values, scores, positions, flags): a bounded cache "
+        "reserves budget + one prefill chunk, so its bytes are flat from the first turn that fills it.",
+    ]
+    for run_ in runs:
+        for p in run_["probes"]:
+            notes.append(f"- {run_['label']}, after turn {p['after_turns']}: {p['answer']!r}")
+    return {"runs": runs, "notes": notes,
+            "config": {"questions": len(questions), "max_new_tokens": max_new_tokens, "budget": budget,
+                       "sink": sink, "fact": FACT, "probe": PROBE, "probe_after": list(PROBE_AFTER)}}

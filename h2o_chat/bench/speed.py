@@ -1,0 +1,158 @@
+"""Comparison 4: speed and memory against context length, full cache vs H2O.
+
+Same prompt for every config at a context length: the first ``context`` tokens of Pride
+and Prejudice. Per config: prefill in the app's chunks (256 tokens), timed; then greedy
+decoding of ``decode_tokens`` tokens, timed, from a copy of the prefilled cache, so every
+timed decode run of a config starts from the same state. Timed runs alternate between the
+configs (order rotated each repeat) and are repeated; medians with min-max are reported.
+
+Configs: full (the fused sdpa kernel; no scores), h2o with 20% of the context, h2o with a
+fixed 512 slots, and h2o with a budget larger than the context (never evicts: the cost of
+score keeping alone, the explicit-softmax attention, against full with sdpa).
+Memory: KV bytes from the cache's own tensors, and the process RSS sampled every 2 ms
+(peak during the config's runs, and its growth over the RSS before them).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+
+from h2o_chat.cache import make_cache
+from h2o_chat.config import CacheConfig
+
+from . import data
+
+
+class RssSampler:
+    """Peak resident set size of this process while active, sampled in a thread."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._proc = psutil.Process()
+
+    def __enter__(self):
+        self.start = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def speed_configs(model, context: int, decode_tokens: int, sink: int = 4):
+    def h2o(slots: int):
+        heavy = (slots - sink) // 2
+        return lambda: make_cache(model, "h2o", heavy=heavy, recent=slots - sink - heavy, sink=sink)
+
+    big = context + decode_tokens + 8
+    return [
+        ("full (sdpa)", None, lambda: make_cache(model, "full")),
+        ("h2o 20%", context // 5, h2o(context // 5)),
+        ("h2o 512", 512, h2o(512)),
+        ("h2o, budget > context", big, h2o(big)),
+    ]
+
+
+def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    with torch.inference_mode():
+        for piece in ids.split(chunk, dim=1):
+            logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return logits
+
+
+def decode(model, cache, logits: torch.Tensor, n: int) -> float:
+    """Seconds for ``n`` greedy decode steps."""
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for _ in range(n):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        return time.perf_counter() - started
+
+
+def run(model, tokenizer, contexts: list[int], decode_tokens: int, repeats: int, prefill_repeats: int = 1,
+        log=print) -> dict:
+    chunk = CacheConfig().prefill_chunk_size
+    text = data.read_text(data.BOOK)
+    book = tokenizer(text[: 8 * max(contexts)], add_special_tokens=False).input_ids
+    if len(book) < max(contexts):
+        book = tokenizer(text, add_special_tokens=False).input_ids
+    loads, runs, summary = [], [], []
+    for context in contexts:
+        ids = torch.tensor([book[:context]])
+        configs = speed_configs(model, context, decode_tokens)
+        state, prefill_s, rss = {}, {name: [] for name, *_ in configs}, {}
+        for rep in range(prefill_repeats):
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            for name, slots, make in order:
+                cache = make()
+                with RssSampler() as sampler:
+                    started = time.perf_counter()
+                    logits = prefill(model, cache, ids, chunk)
+                    prefill_s[name].append(time.perf_counter() - started)
+                rss[name] = (sampler.peak, sampler.peak - sampler.start)
+                state[name] = (cache, logits)
+                loads.append(os.getloadavg()[0])
+        decode_s = {name: [] for name, *_ in configs}
+        kv_after = {}
+        for rep in range(repeats):
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            for name, slots, make in order:
+                cache, logits = state[name]
+                work = copy.deepcopy(cache)
+                with RssSampler() as sampler:
+                    decode_s[name].append(decode(model, work, logits, decode_tokens))
+                rss[name] = (max(rss[name][0], sampler.peak), max(rss[name][1], sampler.peak - sampler.start))
+                kv_after[name] = work.stats()
+                del work
+                loads.append(os.getloadavg()[0])
+        full_tps = full_prefill = None
+        for name, slots, _ in configs:
+            tps = [decode_tokens / s for s in decode_s[name]]
+            row = {
+                "context": context, "config": name, "slots": slots,
+                "prefill_s": statistics.median(prefill_s[name]), "prefill_runs_s": prefill_s[name],
+                "decode_tok_s": statistics.median(tps), "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
+                "decode_runs_tok_s": tps,
+                "kv_mb": state[name][0].stats().kv_bytes / 2**20,
+                "held_mb": state[name][0].stats().held_bytes / 2**20,
+                "kv_mb_after_decode": kv_after[name].kv_bytes / 2**20,
+                "held_after_decode": kv_after[name].held,
+                "peak_rss_mb": rss[name][0] / 2**20, "rss_growth_mb": rss[name][1] / 2**20,
+            }
+            if name.startswith("full"):
+                full_tps, full_prefill = row["decode_tok_s"], row["prefill_s"]
+            row["decode_vs_full"] = row["decode_tok_s"] / full_tps
+            row["prefill_vs_full"] = row["prefill_s"] / full_prefill
+            summary.append(row)
+        log(f"  speed {context}: " + ", ".join(f"{r['config']} {r['decode_tok_s']:.1f} tok/s"
+                                               for r in summary if r["context"] == context))
+        del state
+    cores = psutil.cpu_count(logical=False) or 1
+    notes = [
+        f"Decode: {decode_tokens} greedy tokens per timed run, {repeats} runs per config alternating with the "
+        f"other configs (order rotated each round); prefill: {prefill_repeats} timed run(s) per config, "
+        f"chunks of {chunk} tokens.",
+        f"Load average (1 min) during the runs: min {min(loads):.2f}, max {max(loads):.2f} on {cores} cores.",
+    ]
+    if max(loads) > 0.5 * cores + 1:
+        notes.append(f"WARNING: the load average reached {max(loads):.2f}: something else ran on this "
+                     f"{cores}-core machine during the measurement; the timings are unreliable.")
+    return {"summary": summary, "notes": notes,
+            "config": {"contexts": contexts, "decode_tokens": decode_tokens, "repeats": repeats,
+                       "prefill_repeats": prefill_repeats, "chunk": chunk, "prompt": "Pride and Prejudice"}}

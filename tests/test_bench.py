@@ -1,0 +1,211 @@
+"""The benchmark code computes what it claims: metrics on known distributions, policy
+variants against the engine's own rules, batched side-by-side runs against runs alone,
+budgets respected. The benchmarks themselves are commands (python -m h2o_chat.bench)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from h2o_chat import make_cache
+from h2o_chat.bench import data, metrics, report
+from h2o_chat.bench.streaming import budget_slots, continue_pass, reference_logprobs, stream_pass
+from h2o_chat.bench.variants import MixedPolicy, Variant, bench_cache, h2o_split, standard_variants
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+def test_perplexity_of_uniform_distribution_is_vocab_size():
+    logits = torch.zeros(5, 7, 32)  # uniform over 32 tokens
+    targets = torch.randint(0, 32, (5, 7))
+    nll, agree, kl = metrics.token_metrics(logits, targets, torch.log_softmax(logits, -1))
+    assert metrics.perplexity(nll) == pytest.approx(32.0, rel=1e-6)
+    assert torch.all(kl.abs() < 1e-6)
+
+
+def test_perplexity_of_known_probabilities():
+    # The target gets probability 0.5 and 0.25: ppl = exp(-(ln .5 + ln .25) / 2) = sqrt(8).
+    probs = torch.tensor([[0.5, 0.5, 0.0 + 1e-30], [0.25, 0.5, 0.25]])
+    nll, _, _ = metrics.token_metrics(probs.log(), torch.tensor([0, 2]), probs.log())
+    assert metrics.perplexity(nll) == pytest.approx(math.sqrt(8), rel=1e-5)
+
+
+def test_kl_of_known_distributions_and_identical_runs():
+    p = torch.tensor([[0.5, 0.5]])
+    q = torch.tensor([[0.9, 0.1]])
+    _, agree, kl = metrics.token_metrics(q.log(), torch.tensor([0]), p.log())
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert float(kl) == pytest.approx(expected, rel=1e-5)
+    logits = torch.randn(4, 9, 50)
+    _, agree, kl = metrics.token_metrics(logits, torch.zeros(4, 9, dtype=torch.long), torch.log_softmax(logits, -1))
+    assert torch.all(kl.abs() < 1e-5) and bool(agree.all())
+    summary = metrics.summarize(torch.zeros(3), agree[0, :3], kl[0, :3])
+    assert summary["ppl"] == 1.0 and summary["top1"] == 1.0 and summary["tokens"] == 3
+
+
+def test_kl_ignores_zero_probability_reference_tokens():
+    ref = torch.tensor([[1.0, 0.0]]).log()  # log 0 = -inf must not give NaN
+    _, _, kl = metrics.token_metrics(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), ref)
+    assert float(kl) == pytest.approx(math.log(2), rel=1e-6)
+
+
+# ---- variants against the engine ---------------------------------------------------------
+
+
+def feed(model, cache, ids, chunk):
+    with torch.no_grad():
+        return torch.cat([model(c, past_key_values=cache, use_cache=True).logits for c in ids.split(chunk, 1)], 1)
+
+
+def positions(cache):
+    return [layer.positions for layer in cache.stats().layers]
+
+
+@pytest.mark.parametrize(
+    "variant, policy, budgets",
+    [
+        (Variant("h", "h2o", heavy=8, recent=6, sink=2), "h2o", dict(heavy=8, recent=6, sink=2)),
+        (Variant("r", "recent", recent=10), "recent", dict(recent=10)),
+        (Variant("s", "sink", sink=3, recent=7), "sink", dict(sink=3, recent=7)),
+    ],
+)
+def test_variant_equals_engine_policy(tiny_model, variant, policy, budgets):
+    ids = torch.randint(0, 128, (2, 70))
+    ours, engine = bench_cache(tiny_model, [variant], rows=2), make_cache(tiny_model, policy, **budgets)
+    ours_logits, engine_logits = feed(tiny_model, ours, ids, 5), feed(tiny_model, engine, ids, 5)
+    torch.testing.assert_close(ours_logits, engine_logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(positions(ours), positions(engine)):
+        assert torch.equal(a, b)
+
+
+def test_variant_equals_engine_with_protected_span(tiny_model):
+    ids = torch.randint(0, 128, (1, 60))
+    ours = bench_cache(tiny_model, [Variant("h", "h2o", heavy=6, recent=6, sink=1)])
+    engine = make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=1)
+    for cache in (ours, engine):
+        cache.protect(10, 20)
+    feed(tiny_model, ours, ids, 7), feed(tiny_model, engine, ids, 7)
+    for a, b in zip(positions(ours), positions(engine)):
+        assert torch.equal(a, b)
+
+
+def test_mixed_batch_rows_equal_each_variant_alone(tiny_model):
+    torch.manual_seed(7)
+    ids = torch.randint(0, 128, (2, 64))
+    variants = [
+        h2o_split("paper", 16),
+        Variant("mean", "h2o", heavy=6, recent=6, sink=4, norm="mean"),
+        Variant("decay", "h2o", heavy=6, recent=6, sink=4, decay=0.9),
+        Variant("sink", "sink", sink=4, recent=12),
+    ]
+    mixed = bench_cache(tiny_model, variants, rows=2)
+    mixed_logits = feed(tiny_model, mixed, ids.repeat(4, 1), 1)
+    for k, variant in enumerate(variants):
+        alone = bench_cache(tiny_model, [variant], rows=2)
+        torch.testing.assert_close(mixed_logits[2 * k : 2 * k + 2], feed(tiny_model, alone, ids, 1), rtol=1e-4, atol=1e-4)
+        for a, b in zip(positions(mixed), positions(alone)):
+            assert torch.equal(a[2 * k : 2 * k + 2], b)
+    assert mixed.stats().held == 16
+
+
+def test_mean_normalisation_changes_the_choice():
+    scores = torch.tensor([[[3.0, 1.0, 0.9, 1.5, 0.1]]])
+    pos = torch.arange(5)[None, None]
+    raw = Variant("raw", "h2o", heavy=1, recent=1).keep(scores, pos)
+    mean = Variant("mean", "h2o", heavy=1, recent=1, norm="mean").keep(scores, pos)
+    assert raw.flatten().tolist() == [0, 4]  # the largest sum: the oldest slot
+    assert mean.flatten().tolist() == [3, 4]  # per query received: 1.5/2 beats 3/5
+    with pytest.raises(ValueError, match="share a capacity"):
+        MixedPolicy([Variant("a", "recent", recent=3), Variant("b", "recent", recent=4)])
+
+
+def test_standard_variants_share_the_budget():
+    for slots in (64, 154, 307):
+        assert {v.capacity for v in standard_variants(slots)} == {slots}
+    assert budget_slots(0.2, 1536) == 307 and budget_slots(64, 1536) == 64
+
+
+# ---- the streaming passes ----------------------------------------------------------------
+
+
+def test_full_policy_streamed_agrees_with_its_one_shot_reference(tiny_model):
+    ids = torch.randint(0, 128, (2, 50))
+    ref = reference_logprobs(tiny_model, ids, chunk=17)
+    nll, agree, kl = stream_pass(tiny_model, make_cache(tiny_model, "full"), ids, ref, prefill=4)
+    assert bool(agree.all()) and float(kl.abs().max()) < 1e-5
+    expected = -ref[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(nll, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_stream_pass_respects_budget_and_differs_from_full(tiny_model):
+    ids = torch.randint(0, 128, (1, 80))
+    ref = reference_logprobs(tiny_model, ids)
+    cache = bench_cache(tiny_model, standard_variants(12), rows=1)
+    nll, agree, kl = stream_pass(tiny_model, cache, ids.repeat(3, 1), ref, prefill=8)
+    stats = cache.stats()
+    assert stats.held == 12 and all(layer.held == 12 for layer in stats.layers) and stats.seen == 79
+    assert float(kl[:, :11].abs().max()) < 1e-4  # before the budget fills nothing differs
+    assert float(kl[:, 12:].mean()) > 0
+
+
+def test_continue_pass_scores_the_continuation(tiny_model):
+    ids = torch.randint(0, 128, (1, 60))
+    ref = reference_logprobs(tiny_model, ids)
+    nll, agree, kl = continue_pass(tiny_model, make_cache(tiny_model, "full"), ids, ref, context=40, chunk=16)
+    assert nll.shape == (1, 20) and bool(agree.all()) and float(kl.abs().max()) < 1e-5
+
+
+# ---- data selection and report -----------------------------------------------------------
+
+
+def test_spread_is_deterministic_and_splits_are_disjoint():
+    assert data.spread(10, 3) == data.spread(10, 3)
+    assert not set(data.spread(10, 3, "eval")) & set(data.spread(10, 3, "tune"))
+    assert len(data.spread(10, 3)) == 3 and max(data.spread(10, 3, "tune")) < 10
+
+
+def test_select_passages_takes_whole_sections():
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [ord(c) for c in text]})()
+
+    text = "".join(f"Chapter {i}\n" + ("x" * (10 if i % 2 else 400)) + "\n" for i in range(8))
+    chosen = data.select_passages(text, re.compile(r"^Chapter \d+", re.M), Tok(), 2, 100, "book")
+    assert [p.title for p in chosen] == ["Chapter 0", "Chapter 4"]
+    assert all(len(p.ids) == 100 for p in chosen)
+
+
+def test_report_writes_json_markdown_and_machine(tmp_path):
+    info = report.machine_info()
+    assert info["torch_threads"] >= 1 and "cpu" in info
+    path = report.write_json(tmp_path, "demo", {"records": [{"a": 1}]})
+    assert path.exists() and '"machine"' in path.read_text()
+    table = report.md_table(["x", "y"], [[1, 0.12345], ["a", None]])
+    assert table.splitlines()[0] == "| x | y |" and "0.1235" in table
+
+
+def test_xsum_budgets_are_the_papers_ratios():
+    from h2o_chat.bench.xsum import xsum_variants
+
+    variants = {v.label: v for v in xsum_variants(500)}
+    assert variants["h2o"].heavy == 50 and variants["h2o"].recent == 50 and variants["h2o"].sink == 0
+    assert variants["local (recent)"].recent == 100 and variants["sink"].capacity == 100
+
+
+def test_recall_probe_needs_name_and_number():
+    from h2o_chat.bench.long_chat import recalled
+
+    assert recalled("You are Marisol Quentaro, code 4817.")["recalled"]
+    assert not recalled("Your name is Marisol.")["recalled"]
+    assert not recalled("The code is 4817.")["recalled"]
+
+
+def test_rss_sampler_sees_an_allocation():
+    from h2o_chat.bench.speed import RssSampler
+
+    with RssSampler() as sampler:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        block += 1
+    assert sampler.peak - sampler.start > 32 * 2**20
