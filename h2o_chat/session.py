@@ -99,6 +99,7 @@ class Session:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -191,6 +192,8 @@ class Session:
                 break
             if step:
                 logits = self._feed_unfed()
+            if self._never_sampled is not None:
+                logits = logits.index_fill(0, self._never_sampled, float("-inf"))
             token = sample_token(logits.cpu(), sampling, generator)
             self.tokens.append(token)
             generated.append(token)
@@ -339,6 +342,9 @@ class StorySession(Session):
         super().__init__(model, tokenizer, cache, prefill_chunk_size)
         if not isinstance(bible, str):
             raise ValueError("bible must be a string")
+        # A story has no end of turn: an end-of-sequence token would stop the continuation
+        # short and land in the text, so each continuation is max_new_tokens of story.
+        self._never_sampled = torch.tensor(sorted(self.eos_ids), device=model.device)
         self.tokens = self._encode(bible) if bible else []
         self.bible_tokens = len(self.tokens)
         if self.tokens:

@@ -260,3 +260,14 @@ def test_a_failed_forward_leaves_the_session_usable(smollm):
     replies = ["".join(chat.send("What is 3 + 3?", **GREEDY)) for chat in (session, control)]
     assert replies[0].strip() and replies[0] == replies[1]
     assert_consistent(session)
+
+
+def test_story_continuations_never_end_early(smollm):
+    """An end-of-sequence token would stop a continuation short and land in the story:
+    here greedy decoding would pick it first, yet all the tokens asked for come."""
+    model, tokenizer = smollm
+    story = StorySession(model, tokenizer, cache=make_cache(model, "full"))
+    text = "<|im_start|>user\nSay only the word yes.<|im_end|>\n<|im_start|>assistant\nYes."
+    "".join(story.send(text, temperature=0, max_new_tokens=6))
+    assert len(story.reply) == 6 and not set(story.reply) & story.eos_ids
+    assert_consistent(story)
