@@ -3,6 +3,7 @@
 #   make run [ARGS="..."]   set up, then start the app
 #   make test               set up (and install chromium where missing), then run the
 #                           whole test suite, browser tests included
+#   make screenshots        retake the README's screenshots of the app (assets/*.png)
 #   make clean              remove .venv
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -11,7 +12,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: setup browser run test clean
+.PHONY: setup browser run test screenshots clean
 .DEFAULT_GOAL := test
 
 setup: $(STAMP)
@@ -36,6 +37,9 @@ run: $(STAMP)
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q tests
+
+screenshots: $(STAMP) browser
+	$(PY) -m tests.screenshots
 
 clean:
 	rm -rf $(VENV)

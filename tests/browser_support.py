@@ -97,10 +97,16 @@ def set_number(page: Page, elem_id: str, value: float) -> None:
     box.press("Enter")
 
 
+def show_settings(page: Page, shown: bool = True) -> None:
+    header = page.locator("#settings .label-wrap")
+    if ("open" in header.get_attribute("class").split()) != shown:
+        header.click()
+
+
 def configure(page: Page, **numbers: float) -> None:
     """Open the settings and set number boxes by element id (``max_new_tokens`` ->
     ``#max-new-tokens``). Greedy decoding unless ``temperature`` is given."""
-    page.click("#settings")
+    show_settings(page)
     for name, value in {"temperature": 0, **numbers}.items():
         set_number(page, name.replace("_", "-"), value)
 

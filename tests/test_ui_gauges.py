@@ -22,14 +22,16 @@ def test_gauge_follows_the_session_from_empty_to_at_budget(smollm):
     "".join(session.send("Hello there, how are you today?", temperature=0, max_new_tokens=12))
     stats = session.stats()
     gauge = Gauge.of("chat", stats)
-    assert (gauge.seen, gauge.held, gauge.budget, gauge.kv_bytes) == (
-        stats.cache.seen, stats.cache.held, stats.cache.budget, stats.cache.kv_bytes)
+    assert (gauge.seen, gauge.held, gauge.budget, gauge.kv_bytes, gauge.held_bytes) == (
+        stats.cache.seen, stats.cache.held, stats.cache.budget, stats.cache.kv_bytes,
+        stats.cache.held_bytes)
     assert gauge.state == "at-budget" and gauge.evicted == stats.cache.seen - stats.cache.held > 0
     page = gauge_html(gauge)
     assert attributes(page) == {
         "state": "at-budget", "tokens": str(stats.tokens), "seen": str(stats.cache.seen),
         "held": str(stats.cache.held), "budget": str(stats.cache.budget),
-        "kv-bytes": str(stats.cache.kv_bytes), "tps": f"{stats.decode_tokens_per_s:.2f}",
+        "kv-bytes": str(stats.cache.kv_bytes), "held-bytes": str(stats.cache.held_bytes),
+        "tps": f"{stats.decode_tokens_per_s:.2f}",
     }
     assert f"{gauge.evicted} tokens evicted" in page
 
@@ -37,7 +39,7 @@ def test_gauge_follows_the_session_from_empty_to_at_budget(smollm):
 def test_gauge_states_in_words():
     def gauge(**kw):
         base = dict(label="x", tokens=50, seen=49, held=49, pinned=0, budget=100,
-                    kv_bytes=10**6, tokens_per_s=3.0, prefill_seconds=0.1)
+                    kv_bytes=10**6, held_bytes=5 * 10**5, tokens_per_s=3.0, prefill_seconds=0.1)
         return Gauge(**base | kw)
 
     assert gauge().state == "filling" and "budget not reached yet" in gauge_html(gauge())
@@ -46,20 +48,20 @@ def test_gauge_states_in_words():
     assert gauge(seen=0, held=0, tokens=0).state == "empty"
     assert "budget not reached yet" in gauge_html(gauge(seen=0, held=0, tokens=0))
     assert gauge(held=100, seen=300).state == "at-budget"
-    assert "1.00 MB" in gauge_html(gauge())
+    assert "1.00 MB</b> (0.50 MB in use)" in gauge_html(gauge())
 
 
 def test_turn_series_replaces_the_live_turn():
     series = TurnSeries()
-    a = Gauge("h2o", 10, 10, 10, 0, 40, 2_000_000, 1.0, 0.0)
-    b = Gauge("full", 10, 10, 10, 0, None, 2_000_000, 1.0, 0.0)
-    series.record(1, [a, b])
-    series.record(2, [a, b])
+    a = Gauge("h2o", 10, 10, 10, 0, 40, 2_000_000, 1_000_000, 1.0, 0.0)
+    b = Gauge("full", 10, 10, 10, 0, None, 2_000_000, 1_000_000, 1.0, 0.0)
+    for turn in (1, 2, 10):
+        series.record(turn, [a, b])
     series.record(2, [a, replace(b, held=20, kv_bytes=4_000_000)])
     frame = series.frame()
     assert list(frame.columns) == ["turn", "cache", "KV MB", "slots held"]
-    assert len(frame) == 4
-    last = frame[(frame.turn == 2) & (frame.cache == "full")].iloc[0]
+    assert len(frame) == 6 and series.order() == ["1", "2", "10"]
+    last = frame[(frame.turn == "2") & (frame.cache == "full")].iloc[0]
     assert (last["KV MB"], last["slots held"]) == (4.0, 20)
 
 

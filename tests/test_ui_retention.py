@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,11 +28,11 @@ def test_hold_counts_match_the_cache(bounded):
     assert held.shape == (3, 2, 42)
     counts, total = retention.hold_counts(held)
     assert total == 6
-    expected = torch.zeros(42, dtype=torch.long)
+    expected = np.zeros(42, dtype=int)
     for layer in stats.layers:
         for head in layer.positions[0]:
-            expected[head] += 1
-    assert torch.equal(counts, expected)
+            expected[head.numpy()] += 1
+    assert np.array_equal(counts, expected)
     assert counts.sum() == sum(layer.held for layer in stats.layers) * 2
     assert (counts[:3] == 6).all()  # pinned: every layer and head
     assert (counts[-6 - 2 : -2] == 6).all()  # the recent window
@@ -40,7 +41,7 @@ def test_hold_counts_match_the_cache(bounded):
     one = retention.select(held, layer=1, head=0)
     counts_one, total_one = retention.hold_counts(one)
     assert total_one == 1
-    assert counts_one.nonzero().flatten().tolist() == stats.layers[1].positions[0, 0].sort().values.tolist()
+    assert counts_one.nonzero()[0].tolist() == stats.layers[1].positions[0, 0].sort().values.tolist()
 
 
 def test_hold_matrix_refuses_fewer_tokens_than_seen(bounded):
@@ -52,12 +53,12 @@ def test_heat_rows_average_heads_and_downsample_keeps_means(bounded):
     held = retention.hold_matrix(bounded.stats(), 40, kv_heads=2)
     rows = retention.heat_rows(held)
     assert rows.shape == (3, 40)
-    assert torch.equal(rows, held.float().mean(1))
-    assert torch.equal(retention.heat_rows(held, head=1), held[:, 1].float())
+    assert np.array_equal(rows, held.mean(1))
+    assert np.array_equal(retention.heat_rows(held, head=1), held[:, 1].astype(float))
     small = retention.downsample(rows, max_columns=7)  # bins of 6, the last of 4
     assert small.shape == (3, 7)
-    assert torch.allclose(small[:, 0], rows[:, :6].mean(1))
-    assert torch.allclose(small[:, -1], rows[:, 36:].mean(1))
+    assert np.allclose(small[:, 0], rows[:, :6].mean(1))
+    assert np.allclose(small[:, -1], rows[:, 36:].mean(1))
     assert retention.downsample(rows, max_columns=40) is rows
 
 
@@ -95,3 +96,15 @@ def test_heatmap_png_is_one_pixel_per_layer_and_column(bounded):
     page = retention.heatmap_html(rows, selected_layer=2, caption="all heads")
     assert page.count("data:image/png;base64,") == 1 and 'class="sel"' in page
     assert "nothing" in retention.heatmap_html(rows[:, :0], None, "")
+
+
+def test_maps_html_renders_the_picked_layer_and_head(bounded):
+    stats = bounded.stats()
+    pieces = [f"t{i}" for i in range(41)]
+    token_map, heat_map = retention.maps_html(pieces, stats, kv_heads=2, layer=1, head=0)
+    kept = set(stats.layers[1].positions[0, 0].tolist())
+    classes = dict((int(pos), cls) for cls, pos in re.findall(r'<span class="(\w+)" title="#(\d+): ', token_map))
+    assert {pos for pos, cls in classes.items() if cls == "k10"} == kept  # 1 of 1 pair holds it
+    assert {pos for pos, cls in classes.items() if cls == "ev"} == set(range(40)) - kept
+    assert classes[40] == "pd"
+    assert "KV head 0" in heat_map and "layer 1 marked" in heat_map

@@ -9,18 +9,14 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import ChatSession
 
-from .gauges import GAUGE_CSS, Gauge, gauge_html
+from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import ViewState, close_state, stop_state
+from .view_state import GENERATING, ViewState, close_state, stop_state, wait_for_model
 
 GAUGE_LABEL = "Token counter"
-# Generations running at once over all views and browsers. They take turns per forward
-# pass on the one model, so more would only slow each of them down.
-GENERATION_SLOTS = 4
-GENERATING = dict(concurrency_id="generation", concurrency_limit=GENERATION_SLOTS)
 
 
 class ChatState(ViewState):
@@ -41,8 +37,7 @@ class ChatState(ViewState):
         return [self.session]
 
     def shown(self) -> list[dict[str, str]]:
-        """The conversation as the chatbot shows it (no system message)."""
-        return [dict(m) for m in self.session.messages if m["role"] != "system"]
+        return shown_messages(self.session)
 
     def rebuild(self, history: list[dict[str, str]]) -> None:
         """Go back in time: a fresh cache on ``history``, fed on the next send (an
@@ -51,15 +46,9 @@ class ChatState(ViewState):
         self.forget_snapshot()
 
 
-def empty_gauge(label: str, slots: int | None) -> str:
-    return gauge_html(Gauge(label, 0, 0, 0, 0, slots, 0, 0.0, 0.0))
-
-
-def wait_for_model(provider: ModelProvider) -> LoadedModel:
-    try:
-        return provider.get()
-    except RuntimeError as err:
-        raise gr.Error(str(err)) from None
+def shown_messages(session: ChatSession) -> list[dict[str, str]]:
+    """The conversation as a chatbot shows it: copies, without the system message."""
+    return [dict(m) for m in session.messages if m["role"] != "system"]
 
 
 def _last_user_index(messages: list[dict[str, str]]) -> int | None:

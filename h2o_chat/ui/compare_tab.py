@@ -12,13 +12,17 @@ from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import ChatSession
 
-from .chat_tab import GENERATING, empty_gauge, wait_for_model
-from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, first_divergence, gauge_html
+from .chat_tab import shown_messages
+from .gauges import (
+    GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, first_divergence, gauge_html,
+)
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import Interleaved, Throttle
-from .view_state import Snapshot, ViewState, close_state, stop_state
+from .view_state import (
+    GENERATING, Snapshot, ViewState, close_state, stop_state, wait_for_model,
+)
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
 FULL_LABEL = "full cache"
@@ -27,7 +31,8 @@ _CONTEXT_TOKENS = 8  # tokens of each reply shown after the point where they div
 
 def bounded_label(cache: CacheConfig) -> str:
     slots = budget(cache)
-    return f"{cache.policy} cache" + ("" if slots is None else f" ({slots} slots)")
+    # Never the full side's label, even for the full policy: the plots tell sides by it.
+    return f"{cache.policy} cache " + ("(settings)" if slots is None else f"({slots} slots)")
 
 
 class CompareState(ViewState):
@@ -49,13 +54,10 @@ class CompareState(ViewState):
         self.divergences: list[str] = []  # one line per turn
 
     def sessions(self) -> list[ChatSession]:
-        return list(self.sides.values())
-
-    def map_session(self) -> ChatSession:
-        return self.sides[BOUNDED]
+        return list(self.sides.values())  # the bounded one first: the map shows it
 
     def shown(self, side: str) -> list[dict[str, str]]:
-        return [dict(m) for m in self.sides[side].messages if m["role"] != "system"]
+        return shown_messages(self.sides[side])
 
 
 class CompareTab:
@@ -67,8 +69,8 @@ class CompareTab:
         gr.Markdown(
             "Each message goes to two sessions in this process, one on the cache settings "
             "above and one keeping every token, with the same sampling seed; they decode "
-            "taking turns token by token. Until the bounded cache evicts, both replies are "
-            "identical.")
+            "taking turns token by token. Until the bounded cache starts evicting, the replies "
+            "normally match.")
         with gr.Row():
             with gr.Column():
                 self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache), height=330,
@@ -161,12 +163,12 @@ class CompareTab:
             for side, snap in snapshots.items()
         }
         state.series.record(turn, list(gauges.values()))
-        frame = state.series.frame()
+        frame, order = state.series.frame(), state.series.order()
         update = {
             self.bounded_gauge: gauge_html(gauges[BOUNDED]),
             self.full_gauge: gauge_html(gauges[FULL]),
-            self.memory_plot: frame,
-            self.slots_plot: frame,
+            self.memory_plot: gr.LinePlot(frame, sort=order),
+            self.slots_plot: gr.LinePlot(frame, sort=order),
             self.divergence: self._divergence(state, turn),
         }
         if final or values[self.map.live]:

@@ -39,7 +39,8 @@ class Gauge:
     held: int  # slots per layer and head
     pinned: int
     budget: int | None  # None: the full cache, no bound
-    kv_bytes: int
+    kv_bytes: int  # allocated, room for incoming tokens included
+    held_bytes: int  # of which the slots in use
     tokens_per_s: float
     prefill_seconds: float
 
@@ -56,6 +57,7 @@ class Gauge:
             pinned=cache.pinned,
             budget=cache.budget,
             kv_bytes=cache.kv_bytes,
+            held_bytes=cache.held_bytes,
             tokens_per_s=stats.decode_tokens_per_s if tokens_per_s is None else tokens_per_s,
             prefill_seconds=stats.prefill_seconds,
         )
@@ -78,6 +80,11 @@ class Gauge:
     def evicted(self) -> int:
         """Tokens each layer and head has evicted so far."""
         return self.seen - self.held
+
+
+def empty_gauge(label: str, budget: int | None) -> str:
+    """The gauge of a session not started yet."""
+    return gauge_html(Gauge(label, 0, 0, 0, 0, budget, 0, 0, 0.0, 0.0))
 
 
 def _state_line(g: Gauge) -> str:
@@ -104,13 +111,14 @@ def gauge_html(g: Gauge) -> str:
     return (
         f'<div class="gauge" data-state="{g.state}" data-tokens="{g.tokens}" '
         f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '
-        f'data-kv-bytes="{g.kv_bytes}" data-tps="{g.tokens_per_s:.2f}">'
+        f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
+        f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
         f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · "
         f"budget <b>{budget}</b>{f' ({g.pinned} pinned)' if g.pinned else ''}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
-        f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> · '
+        f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · '
         f"<b>{g.tokens_per_s:.1f}</b> tokens/s decoding · prefill {g.prefill_seconds:.2f} s</div>"
         "</div>"
     )
@@ -119,19 +127,24 @@ def gauge_html(g: Gauge) -> str:
 @dataclass
 class TurnSeries:
     """KV memory and slots held per turn of several caches, for the line plots. The
-    turn in progress is recorded again on every update, so the plots move live."""
+    turn in progress is recorded again on every update, so the plots move live. Turns are
+    labels rather than numbers, so the axis never shows a turn 1.5; ``order`` sorts them."""
 
     rows: list[dict] = field(default_factory=list)
 
     def record(self, turn: int, gauges: Sequence[Gauge]) -> None:
-        self.rows = [row for row in self.rows if row["turn"] != turn]
+        label = str(turn)
+        self.rows = [row for row in self.rows if row["turn"] != label]
         self.rows += [
-            {"turn": turn, "cache": g.label, "KV MB": round(g.kv_mb, 3), "slots held": g.held}
+            {"turn": label, "cache": g.label, "KV MB": round(g.kv_mb, 3), "slots held": g.held}
             for g in gauges
         ]
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=["turn", "cache", "KV MB", "slots held"])
+
+    def order(self) -> list[str]:
+        return sorted({row["turn"] for row in self.rows}, key=int)
 
 
 def decode_rate(generated: int, busy_seconds: float, prefill_seconds: float) -> float:

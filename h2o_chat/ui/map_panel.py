@@ -71,15 +71,10 @@ class MapPanel:
                values: dict) -> dict:
         """Both maps of a session's ``tokens`` and cache ``stats``, for the picked layer
         and head (``values`` holds the pickers' values)."""
-        layer, head = (_picked(values[self.layer]), _picked(values[self.head]))
-        held = retention.hold_matrix(stats, len(tokens), loaded.kv_heads)
-        counts, total = retention.hold_counts(retention.select(held, layer, head))
-        caption = ("all KV heads averaged" if head is None else f"KV head {head}") + \
-            " · layer 0 on top" + ("" if layer is None else f", layer {layer} marked")
-        return {
-            self.tokens: retention.token_map_html(loaded.pieces(tokens), counts, total, stats.seen),
-            self.heat: retention.heatmap_html(retention.heat_rows(held, head), layer, caption),
-        }
+        token_map, heat_map = retention.maps_html(
+            loaded.pieces(tokens), stats, loaded.kv_heads,
+            _picked(values[self.layer]), _picked(values[self.head]))
+        return {self.tokens: token_map, self.heat: heat_map}
 
 
 def _picked(value: int | None) -> int | None:

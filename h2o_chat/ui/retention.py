@@ -14,8 +14,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from h2o_chat.cache import CacheStats
@@ -65,19 +63,22 @@ TOKEN_MAP_CSS = "\n".join(
 )
 
 
-def hold_matrix(stats: CacheStats, n_tokens: int, kv_heads: int) -> torch.Tensor:
+def hold_matrix(stats: CacheStats, n_tokens: int, kv_heads: int) -> np.ndarray:
     """``(layers, kv_heads, n_tokens)`` bool: whether that layer and KV head hold the token
     at that absolute position (batch row 0). Tokens not fed yet are held by none."""
+    # numpy from here on: torch would spread these small reductions over its OpenMP
+    # threads, which on a busy small CPU costs more than the work, and slows decoding.
     if n_tokens < stats.seen:
         raise ValueError(f"n_tokens = {n_tokens} < {stats.seen} tokens the cache has seen")
-    held = torch.zeros(len(stats.layers), kv_heads, n_tokens, dtype=torch.bool)
+    held = np.zeros((len(stats.layers), kv_heads, n_tokens), dtype=bool)
     for row, layer in zip(held, stats.layers):
         if layer.positions.numel():
-            row.scatter_(-1, layer.positions[0].cpu(), True)
+            positions = layer.positions[0].cpu().numpy()
+            row[np.arange(kv_heads)[:, None], positions] = True
     return held
 
 
-def select(held: torch.Tensor, layer: int | None = None, head: int | None = None) -> torch.Tensor:
+def select(held: np.ndarray, layer: int | None = None, head: int | None = None) -> np.ndarray:
     """The part of ``hold_matrix`` in view: one layer and/or one KV head, None = all."""
     if layer is not None:
         held = held[layer : layer + 1]
@@ -86,19 +87,19 @@ def select(held: torch.Tensor, layer: int | None = None, head: int | None = None
     return held
 
 
-def hold_counts(held: torch.Tensor) -> tuple[torch.Tensor, int]:
+def hold_counts(held: np.ndarray) -> tuple[np.ndarray, int]:
     """Per position, how many (layer, head) pairs of ``held`` hold it; and how many pairs
     there are (the count of a token nothing has evicted)."""
-    return held.sum(dim=(0, 1)), held.shape[0] * held.shape[1]
+    return held.sum(axis=(0, 1)), held.shape[0] * held.shape[1]
 
 
-def heat_rows(held: torch.Tensor, head: int | None = None) -> torch.Tensor:
+def heat_rows(held: np.ndarray, head: int | None = None) -> np.ndarray:
     """``(layers, n_tokens)`` float: 1/0 whether the layer holds each token in ``head``, or
     for ``head`` None the fraction of its KV heads that do."""
-    return select(held, head=head).float().mean(dim=1)
+    return select(held, head=head).mean(axis=1, dtype=np.float32)
 
 
-def downsample(rows: torch.Tensor, max_columns: int = MAX_HEAT_COLUMNS) -> torch.Tensor:
+def downsample(rows: np.ndarray, max_columns: int = MAX_HEAT_COLUMNS) -> np.ndarray:
     """Average ``(rows, n)`` into at most ``max_columns`` bins of equal width (the last
     may be narrower), so a long story still fits one image."""
     n = rows.shape[-1]
@@ -106,10 +107,10 @@ def downsample(rows: torch.Tensor, max_columns: int = MAX_HEAT_COLUMNS) -> torch
         return rows
     width = math.ceil(n / max_columns)
     columns = math.ceil(n / width)
-    sums = F.pad(rows, (0, columns * width - n)).view(rows.shape[0], columns, width).sum(-1)
-    counts = torch.full((columns,), float(width))
+    padded = np.pad(rows, ((0, 0), (0, columns * width - n)))
+    counts = np.full(columns, float(width), dtype=np.float32)
     counts[-1] = n - (columns - 1) * width
-    return sums / counts
+    return padded.reshape(rows.shape[0], columns, width).sum(-1) / counts
 
 
 def _legend(total: int) -> str:
@@ -125,7 +126,7 @@ def _legend(total: int) -> str:
 
 
 def token_map_html(
-    pieces: Sequence[str], counts: torch.Tensor, total: int, seen: int,
+    pieces: Sequence[str], counts: np.ndarray, total: int, seen: int,
     max_tokens: int = MAX_MAP_TOKENS,
 ) -> str:
     """The tokens (``pieces``, one string each) coloured by ``counts / total``: evicted
@@ -148,17 +149,17 @@ def token_map_html(
     return "".join(parts)
 
 
-def heatmap_png(rows: torch.Tensor) -> bytes:
+def heatmap_png(rows: np.ndarray) -> bytes:
     """``(layers, columns)`` fractions in [0, 1] as a PNG, one pixel each: grey (held by
     none) to blue (held by all)."""
-    fraction = rows.clamp(0, 1).numpy()[..., None]
+    fraction = rows.clip(0, 1)[..., None]
     rgb = _NONE_RGB + (_ALL_RGB - _NONE_RGB) * fraction
     buffer = io.BytesIO()
     Image.fromarray(rgb.round().astype(np.uint8), "RGB").save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def heatmap_html(rows: torch.Tensor, selected_layer: int | None, caption: str) -> str:
+def heatmap_html(rows: np.ndarray, selected_layer: int | None, caption: str) -> str:
     """Layer × position heat map of ``heat_rows`` (layer 0 on top), downsampled to fit,
     with a marker at ``selected_layer``."""
     layers, n = rows.shape
@@ -175,6 +176,18 @@ def heatmap_html(rows: torch.Tensor, selected_layer: int | None, caption: str) -
         f'<div class="heataxis"><span>position 0</span><span>{html.escape(caption)}</span>'
         f"<span>{n - 1}</span></div>"
     )
+
+
+def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
+              layer: int | None, head: int | None) -> tuple[str, str]:
+    """Token map and heat map of a conversation (``pieces``: one string per token) for
+    one layer and/or KV head (None: all)."""
+    held = hold_matrix(stats, len(pieces), kv_heads)
+    counts, total = hold_counts(select(held, layer, head))
+    caption = (("all KV heads averaged" if head is None else f"KV head {head}")
+               + " · layer 0 on top" + ("" if layer is None else f", layer {layer} marked"))
+    return (token_map_html(pieces, counts, total, stats.seen),
+            heatmap_html(heat_rows(held, head), layer, caption))
 
 
 class TokenPieces:

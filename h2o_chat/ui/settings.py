@@ -72,7 +72,8 @@ class Settings:
 
 
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
-    return make_cache(model, cache.policy, heavy=cache.heavy, recent=cache.recent, sink=cache.sink)
+    return make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
+                      recent=cache.recent, sink=cache.sink)
 
 
 def budget(cache: CacheConfig) -> int | None:

@@ -10,13 +10,12 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import StorySession
 
-from .chat_tab import GENERATING, empty_gauge, wait_for_model
-from .gauges import GAUGE_CSS
+from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import ViewState, close_state, stop_state
+from .view_state import GENERATING, ViewState, close_state, stop_state, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -63,9 +62,9 @@ class StoryTab:
                     lines=14, max_lines=30, elem_id="story-text",
                     label="Story so far: edit it freely, then continue",
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
+                self.tokens = gr.Slider(1, 1024, value=64, step=1,
+                                        label="tokens per continue", elem_id="story-tokens")
                 with gr.Row():
-                    self.tokens = gr.Slider(1, 1024, value=64, step=1, scale=3,
-                                            label="tokens per continue", elem_id="story-tokens")
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
                     self.stop = gr.Button("Stop", elem_id="story-stop")
                     self.new = gr.Button("New story", elem_id="story-new")

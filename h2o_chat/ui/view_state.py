@@ -11,7 +11,19 @@ import gradio as gr
 
 from h2o_chat.session import Session, SessionStats
 
-from .provider import LoadedModel
+from .provider import LoadedModel, ModelProvider
+
+# Generations running at once over all views and browsers (event listener options). They
+# take turns per forward pass on the one model, so more would only slow each one down.
+GENERATING = dict(concurrency_id="generation", concurrency_limit=4)
+
+
+def wait_for_model(provider: ModelProvider) -> LoadedModel:
+    """The model, once loaded; a message in the page if loading failed."""
+    try:
+        return provider.get()
+    except RuntimeError as err:
+        raise gr.Error(str(err)) from None
 
 
 @dataclass(frozen=True)

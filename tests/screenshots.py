@@ -1,0 +1,62 @@
+"""Retake the README's screenshots (assets/chat.png, story.png, compare.png) from the real
+app after a few real turns: ``make screenshots`` or ``python -m tests.screenshots``."""
+
+from __future__ import annotations
+
+from playwright.sync_api import Page, sync_playwright
+
+from .browser_support import (
+    ROOT, chromium, configure, open_app, open_tab, running_app, send, set_number, show_settings, start_and_wait,
+)
+
+ASSETS = ROOT / "assets"
+# Small budgets, so a few turns already show evicted tokens in the maps.
+SAMPLING = dict(temperature=0.7, seed=7)
+
+
+def prepare(page: Page, tab: str | None, **numbers: float) -> None:
+    if tab:
+        open_tab(page, tab)
+    configure(page, **SAMPLING, **numbers)
+    show_settings(page, False)
+
+
+def chat(page: Page) -> None:
+    prepare(page, None, heavy=24, recent=24, max_new_tokens=60)
+    for message in ["Hi! Suggest a name for a lighthouse keeper's cat.",
+                    "Nice. Write a two-line poem about that cat."]:
+        send(page, "#chat-input", "#chat-send", message)
+
+
+def story(page: Page) -> None:
+    prepare(page, "Story", heavy=24, recent=24)
+    page.fill("#story-bible textarea",
+              "Mira: keeper of the lighthouse on Skarra island. Tomas: her younger brother, "
+              "a fisherman. Odd: Mira's grey cat.")
+    page.fill("#story-text textarea", "The storm reached Skarra at dusk, and Mira climbed "
+                                      "the stairs to light the lamp.")
+    set_number(page, "story-tokens", 70)
+    for _ in range(2):
+        start_and_wait(page, "#story-continue")
+
+
+def compare(page: Page) -> None:
+    prepare(page, "Compare", heavy=16, recent=16, max_new_tokens=40)
+    for message in ["Name a fruit.", "What colour is it?", "Where does it grow?",
+                    "Write one sentence about it."]:
+        send(page, "#compare-input", "#compare-send", message)
+
+
+def main() -> None:
+    ASSETS.mkdir(exist_ok=True)
+    with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
+        for name, take in [("chat", chat), ("story", story), ("compare", compare)]:
+            page = open_app(browser, url, height=900)
+            take(page)
+            page.screenshot(path=ASSETS / f"{name}.png", full_page=True)
+            page.context.close()
+            print(f"wrote {ASSETS / f'{name}.png'}")
+
+
+if __name__ == "__main__":
+    main()
