@@ -170,18 +170,24 @@ def test_generate_matches_manual_greedy_loop(tiny_model):
     assert out[:, 100:].tolist() == torch.cat(tokens, 1).tolist()
 
 
-def test_peak_cache_size_is_budget_plus_chunk(tiny_model):
-    seen_sizes = []
-    cache = make_cache(tiny_model, "h2o", heavy=32, recent=32, sink=4)
+def record_slots_attended(cache) -> list[int]:
+    """A list that fills, per attention call of layer 0, with the slots attention sees."""
+    sizes = []
     layer = cache.layers[0]
-    original = layer.update
+    update = layer.update
 
     def spy(*args, **kwargs):
-        keys, values = original(*args, **kwargs)
-        seen_sizes.append(keys.shape[-2])
+        keys, values = update(*args, **kwargs)
+        sizes.append(keys.shape[-2])
         return keys, values
 
     layer.update = spy
+    return sizes
+
+
+def test_peak_cache_size_is_budget_plus_chunk(tiny_model):
+    cache = make_cache(tiny_model, "h2o", heavy=32, recent=32, sink=4)
+    seen_sizes = record_slots_attended(cache)
     feed(tiny_model, cache, torch.randint(0, 128, (1, 3000)), 256)  # 10x the budget
     assert max(seen_sizes) <= 68 + 256
     assert cache.stats().held == 68 and cache.stats().seen == 3000

@@ -10,6 +10,8 @@ from transformers import DynamicCache
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.attention import ATTENTION_NAME
 
+from .test_engine import record_slots_attended
+
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
 GREEDY = dict(temperature=0, max_new_tokens=24)
 
@@ -71,16 +73,7 @@ def test_long_paste_is_chunked_with_peak_bounded(smollm):
     text = BOOK.read_text(encoding="utf-8")
     paste = tokenizer.decode(tokenizer(text[:20000]).input_ids[:3000])
     session = ChatSession(model, tokenizer, cache=h2o(model, heavy=64, recent=64), prefill_chunk_size=256)
-    peaks = []
-    layer = session.cache.layers[0]
-    update = layer.update
-
-    def spy(*args, **kwargs):
-        keys, values = update(*args, **kwargs)
-        peaks.append(keys.shape[-2])
-        return keys, values
-
-    layer.update = spy
+    peaks = record_slots_attended(session.cache)
     reply = "".join(session.send(paste + "\n\nWho is speaking in this passage?", temperature=0, max_new_tokens=8))
     stats = session.stats().cache
     assert stats.seen > 3000 and reply.strip()
