@@ -194,12 +194,11 @@ def test_xsum_budgets_are_the_papers_ratios():
     assert variants["local (recent)"].recent == 100 and variants["sink"].capacity == 100
 
 
-def test_recall_probe_needs_name_and_number():
+def test_recall_probe_checks_name_and_code():
     from h2o_chat.bench.long_chat import recalled
 
-    assert recalled("You are Marisol Quentaro, code 4817.")["recalled"]
-    assert not recalled("Your name is Marisol.")["recalled"]
-    assert not recalled("The code is 4817.")["recalled"]
+    assert recalled("name", "Your name is Marisol Quentaro.") and not recalled("name", "You are Maria.")
+    assert recalled("code", "The code is 4817.") and not recalled("code", "It is 4871.")
 
 
 def test_rss_sampler_sees_an_allocation():

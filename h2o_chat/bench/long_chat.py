@@ -1,9 +1,10 @@
 """Comparison 5: a long chat. MT-Bench's questions (both turns, in file order) go through
 ONE ``ChatSession`` per policy, greedy replies capped at ``max_new_tokens``.
 
-Turn 1 states a fact (a name and a number); after 10, 20 and 40 further turns a probe asks
-for it. A probe runs on a deep copy of the session's cache, so it never changes the
-conversation the other numbers come from. "Protected" runs pin the whole first user turn
+Turn 0 states a fact (a name and a number); right after it (the baseline: can the model
+answer at all?) and after 10, 20 and 40 further turns, two probes ask for the name and
+for the number. A probe runs on a deep copy of the session's cache, so it never changes
+the conversation the other numbers come from. "Protected" runs pin the whole first user turn
 with ``cache.protect`` (the system prompt is protected in every run, the app's default).
 
 Recorded after every turn: slots held, KV bytes (allocated and in use), tokens seen, and
@@ -24,14 +25,16 @@ from . import data
 from .variants import bench_cache
 
 FACT = "Before we start, please remember this: my name is Marisol Quentaro and my locker code is 4817."
-PROBE = "Quick check before we go on: what is my name, and what is my locker code?"
-PROBE_AFTER = (10, 20, 40)
+# Asked separately: the 135M model answers "What is my name?" right after the fact but
+# not a combined question.
+PROBES = {"name": "What is my name?", "code": "What is my locker code?"}
+PROBE_AFTER = (0, 10, 20, 40)
 
 
-def recalled(answer: str) -> dict:
-    name = "quentaro" in answer.lower() or "marisol" in answer.lower()
-    number = "4817" in answer
-    return {"name": name, "number": number, "recalled": name and number}
+def recalled(kind: str, answer: str) -> bool:
+    if kind == "name":
+        return "quentaro" in answer.lower() or "marisol" in answer.lower()
+    return "4817" in answer
 
 
 def _new_turn_tokens(session: ChatSession, text: str) -> int:
@@ -84,8 +87,10 @@ def chat_run(model, tokenizer, label: str, cache, user_turns: list[str], max_new
         if turn == 0:
             turns[-1]["reply"] = reply
         if turn in PROBE_AFTER:
-            answer = probe(session, PROBE)
-            probes.append({"after_turns": turn, "answer": answer, **recalled(answer)})
+            for kind, question in PROBES.items():
+                answer = probe(session, question)
+                probes.append({"after_turns": turn, "kind": kind, "answer": answer,
+                               "recalled": recalled(kind, answer)})
         if turn % 10 == 0:
             log(f"  chat {label}: turn {turn}/{len(user_turns)} held {stats.held} seen {stats.seen} "
                 f"({seconds:.1f}s)")
@@ -119,14 +124,16 @@ def run(model, tokenizer, n_questions: int, max_new_tokens: int, budget: int = 5
         f"session; greedy replies of at most {max_new_tokens} tokens; budget {budget} slots "
         f"(h2o: sink {sink}, heavy {heavy}, recent {recent}; sink: {sink} + {budget - sink}; recent: {budget}); "
         "the system prompt is protected (pinned) in every run, adding its tokens to the slots held.",
-        f"Recall probe: turn 0 says \"{FACT}\"; after turns {', '.join(map(str, PROBE_AFTER))} a copy of the "
-        f"session is asked \"{PROBE}\"; 'yes' = the answer contains the name and 4817.",
-        "KV MB counts the cache's allocated buffers (keys, values, scores, positions, flags): a bounded cache "
-        "reserves budget + one prefill chunk, so its bytes are flat from the first turn that fills it.",
+        f"Recall probes: turn 0 says \"{FACT}\"; after turns {', '.join(map(str, PROBE_AFTER))} a copy of the "
+        f"session is asked \"{PROBES['name']}\" (name: the answer contains Marisol or Quentaro) and "
+        f"\"{PROBES['code']}\" (code: it contains 4817). After turn 0 is the baseline: what the model "
+        "recalls with nothing evicted.",
+        "KV MB in use counts the slots held (keys, values, scores, positions, flags); allocated adds the room "
+        "reserved for incoming tokens: budget + one prefill chunk for a bounded cache, doubling buffers for full.",
     ]
     for run_ in runs:
         for p in run_["probes"]:
-            notes.append(f"- {run_['label']}, after turn {p['after_turns']}: {p['answer']!r}")
+            notes.append(f"- {run_['label']}, after turn {p['after_turns']}, {p['kind']}: {p['answer']!r}")
     return {"runs": runs, "notes": notes,
             "config": {"questions": len(questions), "max_new_tokens": max_new_tokens, "budget": budget,
-                       "sink": sink, "fact": FACT, "probe": PROBE, "probe_after": list(PROBE_AFTER)}}
+                       "sink": sink, "fact": FACT, "probes": PROBES, "probe_after": list(PROBE_AFTER)}}

@@ -89,7 +89,7 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "continuation", "tuning", "xsum", "speed", "long_chat"]
+    order = ["streaming", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat"]
     parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
@@ -256,26 +256,30 @@ def chat_markdown(result: dict) -> str:
         turns = run["turns"]
         after = [t for t in turns if t["budget"] is not None and t["seen"] >= (t["budget"] or 0)]
         held_after = [t["held"] for t in after] or [None]
-        probes = {p["after_turns"]: p for p in run["probes"]}
+        probes = {}
+        for p in run["probes"]:
+            probes.setdefault(p["after_turns"], {})[p.get("kind", "fact")] = p["recalled"]
         rows.append([
             run["label"], run["budget"], len(turns), turns[0]["held"], turns[-1]["held"],
             None if held_after == [None] else f"{min(held_after)}–{max(held_after)}",
-            turns[0]["kv_bytes"] / 2**20, turns[-1]["kv_bytes"] / 2**20, turns[-1]["seen"],
+            turns[0]["held_bytes"] / 2**20, turns[-1]["held_bytes"] / 2**20, turns[-1]["kv_bytes"] / 2**20,
+            turns[-1]["seen"],
             statistics.mean(t["seconds"] for t in turns), turns[-1]["seconds"],
-            " ".join(f"{k}:{'yes' if probes[k]['recalled'] else 'no'}" for k in sorted(probes)),
+            "; ".join(f"{k}: " + " ".join(f"{kind} {'yes' if ok else 'no'}" for kind, ok in probes[k].items())
+                      for k in sorted(probes)),
         ])
-    return md_table(["run", "budget", "turns", "slots after turn 1", "slots at end", "slots once full (min–max)",
-                     "KV MB turn 1", "KV MB end", "tokens seen", "s/turn (mean)", "s last turn",
-                     "recall after N turns"], rows)
+    return md_table(["run", "budget", "turns", "slots after turn 0", "slots at end", "slots once full (min–max)",
+                     "KV MB in use turn 0", "in use at end", "allocated at end", "tokens seen", "s/turn (mean)", "s last turn",
+                     "recalled after N turns"], rows)
 
 
 def chat_plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in result["runs"]:
         x = [t["turn"] for t in run["turns"]]
-        axes[0].plot(x, [t["kv_bytes"] / 2**20 for t in run["turns"]], label=run["label"])
+        axes[0].plot(x, [t["held_bytes"] / 2**20 for t in run["turns"]], label=run["label"])
         axes[1].plot(x, [t["seconds"] for t in run["turns"]], label=run["label"])
-    axes[0].set_ylabel("KV cache MB after the turn")
+    axes[0].set_ylabel("KV cache MB in use after the turn")
     axes[1].set_ylabel("seconds per turn")
     for ax in axes:
         ax.set_xlabel("turn")
