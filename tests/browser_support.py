@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from playwright.sync_api import Page
+from playwright.sync_api import Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,8 +93,21 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000) -> Page:
 
 def set_number(page: Page, elem_id: str, value: float) -> None:
     box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
+    sliders = page.locator(f"#{elem_id} input[type=range]")
+    slider = sliders if sliders.count() else box  # plain number boxes have no slider
+    # The slider does not always take a typed value (seen on a busy machine: a 32-token
+    # limit and temperature 0 ignored, so the event sent the defaults): type it again
+    # until the slider shows it.
+    for _ in range(5):
+        box.fill(str(value))
+        box.press("Enter")
+        box.blur()
+        try:
+            expect(slider).to_have_value(f"{value:g}", timeout=2_000)
+            return
+        except AssertionError:
+            continue
+    expect(slider).to_have_value(f"{value:g}")
 
 
 def show_settings(page: Page, shown: bool = True) -> None:
