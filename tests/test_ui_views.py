@@ -1,0 +1,59 @@
+"""The views' per-browser state, without a server: rebuilding chats, continuing stories."""
+
+import pytest
+
+from h2o_chat.config import CacheConfig
+from h2o_chat.ui.chat_tab import ChatState
+from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
+from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.ui.story_tab import StoryState, bible_prefix
+
+SMALL = CacheConfig(heavy=8, recent=8, sink=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm):
+    return ModelProvider(lambda: smollm, "SmolLM2").start().get()
+
+
+def test_chat_rebuild_goes_back_to_an_earlier_turn(loaded):
+    state = ChatState(loaded, SMALL, "Be brief.")
+    with state.running():
+        "".join(state.session.send("Name a fruit.", temperature=0, max_new_tokens=8))
+    shown = state.shown()
+    assert [m["role"] for m in shown] == ["user", "assistant"] and shown[1]["content"]
+    before = state.take()
+    state.rebuild(shown[:1] + [{"role": "assistant", "content": "Apple."}])
+    assert state.snapshot().stats.cache.seen == 0  # fresh cache, fed on the next send
+    assert state.shown()[1]["content"] == "Apple." and before.stats.cache.seen > 0
+    assert state.session.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_a_turn_at_a_time(loaded):
+    state = ChatState(loaded, SMALL, "")
+    with state.running():
+        with pytest.raises(Exception, match="still streaming"):
+            with state.running():
+                pass
+
+
+def test_story_continues_only_while_the_start_is_unchanged(loaded):
+    state = StoryState(loaded, SMALL, "Mira keeps the lighthouse.")
+    assert state.session.bible_tokens == len(loaded.tokenizer(bible_prefix("Mira keeps the lighthouse."),
+                                                                add_special_tokens=False).input_ids)
+    "".join(state.session.send("The storm came.", temperature=0, max_new_tokens=6))
+    text = state.session.text
+    assert state.continues("Mira keeps the lighthouse.", text + " More.")
+    assert not state.continues("Mira keeps the lighthouse.", "A different start.")
+    assert not state.continues("Tomas fishes.", text)  # a new bible: read again
+    assert bible_prefix("  ") == "" and bible_prefix("Facts ") == "Facts\n\n"
+
+
+def test_compare_sides_share_nothing_but_the_model(loaded):
+    state = CompareState(loaded, SMALL, "Be brief.")
+    bounded, full = state.sides[BOUNDED], state.sides[FULL]
+    assert bounded.cache is not full.cache and state.map_session() is bounded
+    assert state.labels == {BOUNDED: "h2o cache (20 slots)", FULL: "full cache"}
+    assert CompareState(loaded, CacheConfig(policy="full"), "").labels[BOUNDED] != "full cache"
+    state.close()
+    assert state.closed
