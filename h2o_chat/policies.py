@@ -41,7 +41,7 @@ class EvictionPolicy:
         return {"policy": self.name}
 
 
-def _window(n: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
+def window_indices(n: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
     """The first ``sink`` and the last ``recent`` of ``n`` slots, ascending."""
     return torch.cat(
         [torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)]
@@ -72,7 +72,7 @@ class RecentPolicy(EvictionPolicy):
         return self.recent
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _window(scores.shape[-1], 0, self.recent, scores.device)
+        return window_indices(scores.shape[-1], 0, self.recent, scores.device)
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "recent": self.recent}
@@ -91,7 +91,7 @@ class SinkPolicy(EvictionPolicy):
         return self.sink + self.recent
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _window(scores.shape[-1], self.sink, self.recent, scores.device)
+        return window_indices(scores.shape[-1], self.sink, self.recent, scores.device)
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "sink": self.sink, "recent": self.recent}
@@ -112,7 +112,7 @@ class H2OPolicy(EvictionPolicy):
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = scores.shape[-1]
-        window = _window(n, self.sink, self.recent, scores.device)
+        window = window_indices(n, self.sink, self.recent, scores.device)
         window = window.expand(*scores.shape[:-1], -1)
         middle = scores[..., self.sink : n - self.recent]
         # A stable sort makes ties (e.g. slots that never received attention) keep the

@@ -23,11 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from h2o_chat.cache import H2OCache, H2OLayer
-from h2o_chat.policies import EvictionPolicy
-
-
-def _window(n: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)])
+from h2o_chat.policies import EvictionPolicy, window_indices
 
 
 @dataclass(frozen=True)
@@ -71,15 +67,15 @@ class Variant:
         ``EvictionPolicy.keep`` contract)."""
         n = scores.shape[-1]
         if self.kind == "recent":
-            return _window(n, 0, self.recent, scores.device)
+            return window_indices(n, 0, self.recent, scores.device)
         if self.kind == "sink":
-            return _window(n, self.sink, self.recent, scores.device)
+            return window_indices(n, self.sink, self.recent, scores.device)
         ranked = scores
         if self.norm == "mean":
             # Queries a slot has received: every token from its own to the newest one.
             seen = positions.amax(dim=-1, keepdim=True) + 1
             ranked = scores / (seen - positions).clamp(min=1).to(scores.dtype)
-        window = _window(n, self.sink, self.recent, scores.device).expand(*scores.shape[:-1], -1)
+        window = window_indices(n, self.sink, self.recent, scores.device).expand(*scores.shape[:-1], -1)
         middle = ranked[..., self.sink : n - self.recent]
         # Stable sort as in H2OPolicy: ties keep the older slot.
         order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
