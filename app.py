@@ -55,15 +55,14 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         sys.exit(f"error: {err}")
 
-    from h2o_chat.ui.app import THEME, build_app
+    from h2o_chat.ui.app import THEME, build_app, launch_options
     from h2o_chat.ui.provider import ModelProvider
 
     name = config.model.source or f"{Path(EMBEDDED_GGUF).stem} (embedded)"
     provider = ModelProvider(lambda: load_model(config.model), name).start()
     demo = build_app(provider, config)
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
-    demo.queue().launch(server_name=config.server.host, server_port=config.server.port,
-                        share=config.server.share, theme=THEME, show_error=True)
+    demo.queue().launch(theme=THEME, show_error=True, **launch_options(config.server))
 
 
 if __name__ == "__main__":

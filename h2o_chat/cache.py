@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .config import ConfigError
 from .policies import EvictionPolicy, make_policy
 from .rope import RopeShifter
 
@@ -374,5 +375,12 @@ def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int
     unknown = set(budgets) - {"heavy", "recent", "sink"}
     if unknown:
         raise TypeError(f"unknown budget(s) {sorted(unknown)}; allowed: heavy, recent, sink")
+    chosen = make_policy(policy, **budgets)
+    context = getattr(config, "max_position_embeddings", None)
+    if chosen.capacity is not None and context and chosen.capacity > context:
+        parts = " + ".join(f"{k} {v}" for k, v in chosen.describe().items() if k != "policy")
+        raise ConfigError(
+            f"cache budget {parts} = {chosen.capacity} slots: must be at most the "
+            f"model's context of {context} tokens (max_position_embeddings)", field="cache.heavy")
     rope = RopeShifter.from_model(model) if rolling else None
-    return H2OCache(make_policy(policy, **budgets), config.num_hidden_layers, rope)
+    return H2OCache(chosen, config.num_hidden_layers, rope)

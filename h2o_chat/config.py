@@ -57,6 +57,21 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 7860
     share: bool = False
+    # Longest chat message (or story addition) accepted, in characters. Longer text is
+    # refused with this limit in the message; shorter text is prefilled in chunks.
+    max_message_chars: int = 100_000
+    # Largest HTTP request body (messages, uploads) the server reads, in megabytes.
+    max_request_mb: int = 16
+    # Replies generated at once over all browsers; more wait in a queue whose position
+    # the page shows. They share one model, so more at once only slows each down.
+    max_concurrent_generations: int = 4
+    # A browser session's caches are freed after this long without a turn (and at once
+    # when its tab closes).
+    idle_release_minutes: float = 30.0
+    # Optional login. The environment variables H2O_CHAT_USERNAME / H2O_CHAT_PASSWORD
+    # override these, so a password need not sit in a file.
+    username: str | None = None
+    password: str | None = None
 
 
 @dataclass
@@ -125,7 +140,17 @@ _RULES: dict[str, _Rule] = {
     "generation.seed": _int_at_least(0),
     "server.port": _int_between(1, 65535),
     "server.host": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+    "server.max_message_chars": _int_between(1, 10_000_000),
+    "server.max_request_mb": _int_between(1, 1024),
+    "server.max_concurrent_generations": _int_between(1, 64),
+    "server.idle_release_minutes": _Rule(lambda v: 0 < v <= 7 * 24 * 60,
+                                         "must be a number of minutes > 0 and <= 10080 (a week)"),
+    "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+    "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
 }
+
+# Environment variables that override config fields (secrets stay out of files).
+ENVIRONMENT_OVERRIDES = {"H2O_CHAT_USERNAME": "server.username", "H2O_CHAT_PASSWORD": "server.password"}
 
 
 def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:
@@ -204,6 +229,11 @@ def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
     validated = AppConfig(**sections)
     cache = validated.cache
     check_cache_budgets(cache.policy, cache.heavy, cache.recent)
+    server = validated.server
+    if (server.username is None) != (server.password is None):
+        given, missing = ("username", "password") if server.password is None else ("password", "username")
+        raise ConfigError(f"server.{given} is set but server.{missing} is not: a login needs both "
+                          f"(or neither, for no login)", field=f"server.{missing}")
     return validated
 
 
@@ -284,6 +314,7 @@ def load_config(
     ``path`` None reads ``configs/default.yaml`` of the repository. Keys the file leaves out
     keep their dataclass defaults. ``overrides`` is a nested dict like the file
     (``{"cache": {"heavy": 64}}``), e.g. from command-line flags; it is checked the same way.
+    The variables of ``ENVIRONMENT_OVERRIDES`` override both.
     Raises :class:`ConfigError` on any problem.
     """
     file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
@@ -294,5 +325,9 @@ def load_config(
         if not isinstance(overrides, dict):
             raise ConfigError(f"overrides: expected a dict, got {type(overrides).__name__}")
         _merge(data, overrides, "overrides", origins)
+    for variable, name in ENVIRONMENT_OVERRIDES.items():
+        if variable in os.environ:
+            section, key = name.split(".")
+            _merge(data, {section: {key: os.environ[variable]}}, f"environment variable {variable}", origins)
     config = AppConfig(**{name: cls(**data.get(name, {})) for name, cls in _SECTIONS.items()})
     return _validate(config, origins)

@@ -78,9 +78,13 @@ class Session:
         tokenizer,
         cache: H2OCache | None = None,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+        max_message_chars: int | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
+        if max_message_chars is not None:
+            check_field("server.max_message_chars", max_message_chars)
+        self.max_message_chars = max_message_chars  # None = no limit
         defaults = CacheConfig()
         self.model, self.tokenizer = model, tokenizer
         self.cache = cache or make_cache(
@@ -116,6 +120,20 @@ class Session:
             decode_tokens_per_s=self._decode_tokens_per_s,
             prefill_seconds=self._prefill_seconds,
         )
+
+    def _checked_text(self, text: object, what: str) -> str:
+        """``text`` if it is a string a turn can take; a ValueError saying why not."""
+        if not isinstance(text, str):
+            raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+        limit = self.max_message_chars
+        if limit is not None and len(text) > limit:
+            raise ValueError(f"{what} is {len(text):,} characters long; the limit is {limit:,} "
+                             "(server.max_message_chars)")
+        # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
+        if bad := _SURROGATE.search(text):
+            raise ValueError(f"{what} contains an unpaired surrogate (U+{ord(bad.group()):04X}) at "
+                             f"character {bad.start()}: not valid Unicode text")
+        return text
 
     # ---- the decode loop ------------------------------------------------------------------
 
@@ -228,8 +246,9 @@ class ChatSession(Session):
         protect_system_prompt: bool = True,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
+        max_message_chars: int | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         history = [_checked_message(i, m) for i, m in enumerate(history)]
@@ -250,7 +269,7 @@ class ChatSession(Session):
 
     def send(self, text: str, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks."""
-        if not isinstance(text, str) or not text.strip():
+        if not self._checked_text(text, "the message").strip():
             raise ValueError("message is empty: type something to send")
         return self._turn(text, Sampling(**sampling))
 
@@ -311,6 +330,8 @@ class ChatSession(Session):
         return rendered, tokens
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
 
@@ -338,10 +359,10 @@ class StorySession(Session):
         cache: H2OCache | None = None,
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
+        max_message_chars: int | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size)
-        if not isinstance(bible, str):
-            raise ValueError("bible must be a string")
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        self._checked_text(bible, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
         self._never_sampled = torch.tensor(sorted(self.eos_ids), device=model.device)
@@ -356,8 +377,7 @@ class StorySession(Session):
 
     def send(self, text: str = "", **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation."""
-        if not isinstance(text, str):
-            raise ValueError("text must be a string")
+        self._checked_text(text, "the new story text")
         if not self.tokens and not text:
             raise ValueError("the story is empty: write a beginning to continue from")
         return self._turn(text, Sampling(**sampling))

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import gradio as gr
+from starlette.middleware import Middleware
 
-from h2o_chat.config import AppConfig
+from h2o_chat.config import AppConfig, ServerConfig
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
+from .limits import RequestSizeLimit
 from .provider import ModelProvider
 from .settings import Settings
 from .story_tab import StoryTab
+from .view_state import server_load
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine waits for.
 THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
                        font_mono=["ui-monospace", "monospace"])
 _STATUS_POLL_S = 1.0
+_LOAD_POLL_S = 2.0
 
 INTRO = """# h2o-chat
 A local chat whose KV cache stays within a fixed budget (H2O: attention sinks + heavy
@@ -54,4 +58,32 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         outputs = [status, poll, *(picker for panel in panels for picker in panel.pickers)]
         poll.tick(refresh, None, outputs, show_progress="hidden")
         demo.load(refresh, None, outputs, show_progress="hidden")
+
+        load = gr.Markdown(server_line(config.server), elem_id="server-load")
+        gr.Timer(_LOAD_POLL_S).tick(lambda: server_line(config.server), None, load,
+                                    show_progress="hidden", concurrency_limit=None)
+
+        def release(request: gr.Request) -> None:
+            """A closed tab frees its views now, not after Gradio's one-hour grace."""
+            demo.state_holder.delete_state(request.session_hash)
+
+        demo.unload(release)
     return demo
+
+
+def server_line(server: ServerConfig) -> str:
+    """How busy the one model is, for every browser to see."""
+    views, streaming = server_load()
+    return (f"Server: {views} conversation{'s' * (views != 1)} open · {streaming} generating "
+            f"(at most {server.max_concurrent_generations} at once; more wait in a queue)")
+
+
+def launch_options(server: ServerConfig) -> dict:
+    """``launch`` keyword arguments that enforce the server's limits and login."""
+    max_bytes = server.max_request_mb * 2**20
+    return dict(
+        server_name=server.host, server_port=server.port, share=server.share,
+        auth=(server.username, server.password) if server.username is not None else None,
+        max_file_size=max_bytes,
+        app_kwargs={"middleware": [Middleware(RequestSizeLimit, max_bytes=max_bytes)]},
+    )

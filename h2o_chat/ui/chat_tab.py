@@ -14,7 +14,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import GENERATING, ViewState, close_state, stop_state, wait_for_model
+from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
 
 GAUGE_LABEL = "Token counter"
 
@@ -22,16 +22,19 @@ GAUGE_LABEL = "Token counter"
 class ChatState(ViewState):
     """One browser's chat: its session, and how to rebuild it from an edited history."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str) -> None:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str,
+                 max_message_chars: int | None = None) -> None:
         super().__init__(loaded)
         self.cache, self.system_prompt = cache, system_prompt
+        self.max_message_chars = max_message_chars
         self.session = self._new_session([])
 
     def _new_session(self, history: list[dict[str, str]]) -> ChatSession:
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         return ChatSession(model, tokenizer, cache=new_cache(model, self.cache),
                            system_prompt=self.system_prompt or None,
-                           prefill_chunk_size=self.cache.prefill_chunk_size, history=history)
+                           prefill_chunk_size=self.cache.prefill_chunk_size, history=history,
+                           max_message_chars=self.max_message_chars)
 
     def sessions(self) -> list[ChatSession]:
         return [self.session]
@@ -70,7 +73,8 @@ class ChatTab:
 
     def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
         self.provider, self.settings = provider, settings
-        self.state = gr.State(None, delete_callback=close_state)
+        self.server = config.server
+        self.state = browser_state(config.server)
         with gr.Row():
             with gr.Column(scale=3):
                 self.chatbot = gr.Chatbot(label="Chat", height=430, editable="user",
@@ -99,10 +103,10 @@ class ChatTab:
                        *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs]
         gr.on([self.text.submit, self.send.click], self._on_send, turn_inputs, outputs,
-              **GENERATING)
+              **generating(self.server))
         gr.on([self.regenerate.click, self.chatbot.retry], self._on_regenerate, turn_inputs,
-              outputs, **GENERATING)
-        self.chatbot.edit(self._on_edit, turn_inputs, outputs, **GENERATING)
+              outputs, **generating(self.server))
+        self.chatbot.edit(self._on_edit, turn_inputs, outputs, **generating(self.server))
         gr.on([self.undo.click, self.chatbot.undo], self._on_undo, turn_inputs, outputs)
         gr.on([self.new.click, self.chatbot.clear], self._on_new,
               {self.state, *self.settings.components}, outputs)
@@ -120,7 +124,7 @@ class ChatTab:
                 yield {self.chatbot: [{"role": "user", "content": text},
                                       {"role": "assistant", "content": "(waiting for the model to load…)"}]}
             state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
-                              values[self.system_prompt])
+                              values[self.system_prompt], self.server.max_message_chars)
         with state.running():
             yield from self._turn(values, state, text)
 

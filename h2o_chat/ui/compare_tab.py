@@ -21,7 +21,7 @@ from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import Interleaved, Throttle
 from .view_state import (
-    GENERATING, Snapshot, ViewState, close_state, stop_state, wait_for_model,
+    Snapshot, ViewState, browser_state, close_state, generating, stop_state, wait_for_model,
 )
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
@@ -38,13 +38,15 @@ def bounded_label(cache: CacheConfig) -> str:
 class CompareState(ViewState):
     """One browser's comparison: two chat sessions fed the same turns and seed."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str) -> None:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str,
+                 max_message_chars: int | None = None) -> None:
         super().__init__(loaded)
         model, tokenizer = loaded.model, loaded.tokenizer
 
         def session(kv_cache) -> ChatSession:
             return ChatSession(model, tokenizer, cache=kv_cache, system_prompt=system_prompt or None,
-                               prefill_chunk_size=cache.prefill_chunk_size)
+                               prefill_chunk_size=cache.prefill_chunk_size,
+                               max_message_chars=max_message_chars)
 
         self.sides = {BOUNDED: session(new_cache(model, cache)),
                       FULL: session(make_cache(model, "full"))}
@@ -65,7 +67,8 @@ class CompareTab:
 
     def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
         self.provider, self.settings, self.config = provider, settings, config
-        self.state = gr.State(None, delete_callback=close_state)
+        self.server = config.server
+        self.state = browser_state(config.server)
         gr.Markdown(
             "Each message goes to two sessions in this process, one on the cache settings "
             "above and one keeping every token, with the same sampling seed; they decode "
@@ -109,7 +112,7 @@ class CompareTab:
     def _wire(self) -> None:
         gr.on([self.text.submit, self.send.click], self._on_send,
               {self.state, self.text, self.map.live, *self.settings.components, *self.map.pickers},
-              self._outputs, **GENERATING)
+              self._outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
         self.reset.click(self._on_reset, {self.state, *self.settings.components}, self._outputs)
@@ -123,7 +126,8 @@ class CompareTab:
             gr.Info("Waiting for the model to load…")
         loaded = wait_for_model(self.provider)
         state = values[self.state] or CompareState(
-            loaded, self.settings.cache(values), self.config.generation.system_prompt)
+            loaded, self.settings.cache(values), self.config.generation.system_prompt,
+            self.server.max_message_chars)
         sampling = self.settings.sampling(values)
         if sampling["seed"] is None:  # one seed for both, so only the caches differ
             sampling["seed"] = random.randrange(2**31)

@@ -72,8 +72,12 @@ class Settings:
 
 
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
-    return make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
-                      recent=cache.recent, sink=cache.sink)
+    """A cache for ``model``; gr.Error if the budget does not fit the model's context."""
+    try:
+        return make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
+                          recent=cache.recent, sink=cache.sink)
+    except ConfigError as err:
+        raise gr.Error(str(err)) from None
 
 
 def budget(cache: CacheConfig) -> int | None:

@@ -15,7 +15,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import GENERATING, ViewState, close_state, stop_state, wait_for_model
+from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -28,13 +28,15 @@ def bible_prefix(bible: str) -> str:
 class StoryState(ViewState):
     """One browser's story: a session whose cache starts with the protected bible."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str) -> None:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str,
+                 max_message_chars: int | None = None) -> None:
         super().__init__(loaded)
         self.bible = bible
         self.session = StorySession(loaded.model, loaded.tokenizer,
                                     cache=new_cache(loaded.model, cache),
                                     bible=bible_prefix(bible),
-                                    prefill_chunk_size=cache.prefill_chunk_size)
+                                    prefill_chunk_size=cache.prefill_chunk_size,
+                                    max_message_chars=max_message_chars)
 
     def sessions(self) -> list[StorySession]:
         return [self.session]
@@ -50,7 +52,8 @@ class StoryTab:
 
     def __init__(self, provider: ModelProvider, settings: Settings, config: AppConfig) -> None:
         self.provider, self.settings = provider, settings
-        self.state = gr.State(None, delete_callback=close_state)
+        self.server = config.server
+        self.state = browser_state(config.server)
         with gr.Row():
             with gr.Column(scale=3):
                 self.bible = gr.Textbox(
@@ -85,7 +88,7 @@ class StoryTab:
             self._on_continue,
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
-            outputs, **GENERATING)
+            outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
         self.new.click(self._on_new, {self.state, *self.settings.components}, outputs)
@@ -101,7 +104,8 @@ class StoryTab:
         state = values[self.state]
         if state is None or not state.continues(bible, story):
             close_state(state)
-            state = StoryState(loaded, self.settings.cache(values), bible)
+            state = StoryState(loaded, self.settings.cache(values), bible,
+                               self.server.max_message_chars)
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         with state.running():
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 
+import gradio as gr
+
 # Map and gauges are pushed at most this often while tokens stream (text goes out on
 # every token): rendering them on every token would slow decoding on a small CPU.
 UPDATE_INTERVAL_S = 0.3
@@ -65,16 +67,25 @@ def stream_turn(
     """The updates of one streamed turn: ``show(text so far)`` on every chunk, plus
     ``views(final=False)`` (gauges, map) when the throttle lets them through, in step
     with the tokens; at the end ``final() | views(True)``. Stops quietly once ``closed()``
-    (the view was reset meanwhile, so its outputs belong to someone else now)."""
+    (the view was reset meanwhile, so its outputs belong to someone else now). A failure
+    inside the turn becomes a ``gr.Error`` the page shows, after the final views."""
     throttle = Throttle()
     text = ""
-    for chunk in stream:
-        if closed():
-            return
-        text += chunk
-        update = show(text)
-        if throttle.due():
-            update |= views(False)
-        yield update
+    try:
+        for chunk in stream:
+            if closed():
+                return
+            text += chunk
+            update = show(text)
+            if throttle.due():
+                update |= views(False)
+            yield update
+    except Exception as err:
+        # The session kept the partial reply (or took back a turn that produced nothing):
+        # show what it holds now, then the error, and the next turn starts from there.
+        if not closed():
+            yield final() | views(True)
+        raise gr.Error(f"The reply failed: {type(err).__name__}: {err}. The conversation "
+                       "keeps what was generated before the failure; you can send again.") from err
     if not closed():
         yield final() | views(True)

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import gradio as gr
 
+from h2o_chat.config import ServerConfig
 from h2o_chat.session import Session, SessionStats
 
 from .provider import LoadedModel, ModelProvider
 
-# Generations running at once over all views and browsers (event listener options). They
-# take turns per forward pass on the one model, so more would only slow each one down.
-GENERATING = dict(concurrency_id="generation", concurrency_limit=4)
+
+
+def generating(server: ServerConfig) -> dict:
+    """Event listener options of every handler that generates: they share one queue, so
+    at most ``server.max_concurrent_generations`` run at once over all views and
+    browsers, and the page shows a waiting turn its place in the queue."""
+    return dict(concurrency_id="generation", concurrency_limit=server.max_concurrent_generations)
+
+
+def browser_state(server: ServerConfig) -> gr.State:
+    """A view's per-browser ``gr.State``: Gradio deletes it (closing the view) once idle for
+    ``server.idle_release_minutes``; the app's unload handler deletes it when the tab
+    closes. A turn renews it by returning the state."""
+    return gr.State(None, delete_callback=close_state, time_to_live=server.idle_release_minutes * 60)
 
 
 def wait_for_model(provider: ModelProvider) -> LoadedModel:
@@ -48,6 +61,7 @@ class ViewState:
         self._turn = threading.Lock()
         self._last: Snapshot | None = None
         self.closed = False
+        _open_states.add(self)
 
     def sessions(self) -> list[Session]:
         raise NotImplementedError
@@ -94,7 +108,23 @@ class ViewState:
 
     def close(self) -> None:
         self.closed = True
+        _open_states.discard(self)
         self.stop()
+
+    @property
+    def streaming(self) -> bool:
+        return self._turn.locked()
+
+
+# Views not closed yet, for the page's server line. Weak: a state Gradio deleted without
+# its callback (e.g. on a server error) must not stay counted or alive.
+_open_states: weakref.WeakSet[ViewState] = weakref.WeakSet()
+
+
+def server_load() -> tuple[int, int]:
+    """Views open over all browsers, and how many of them run a turn now."""
+    states = list(_open_states)
+    return len(states), sum(state.streaming for state in states)
 
 
 def close_state(state: ViewState | None) -> None:
