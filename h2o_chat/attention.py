@@ -124,8 +124,12 @@ def h2o_attention(
     if layer.query_shift:
         query = layer.rope.shift(query, layer.query_shift)
     mask = _slot_mask(layer, attention_mask, query.shape[2])
-    if layer.policy.needs_scores:
+    if layer.policy.needs_scores or layer.watch_newest:
         output, probs, received = _scored_attention(query, key, value, mask, scaling)
+        if layer.watch_newest:
+            batch, kv_heads, slots = received.shape
+            newest = probs[:, :, -1].reshape(batch, kv_heads, -1, slots)
+            layer.newest_attention = newest.sum(dim=2)
         layer.after_attention(received)
         return output, probs
     output = _sdpa_attention(query, key, value, mask, scaling)

@@ -82,6 +82,11 @@ class H2OLayer(CacheLayerMixin):
         self._buffers: dict[str, torch.Tensor] = {}
         self.scores = self.positions = self.valid = self.pinned = None
         self.has_padding = False  # lets unpadded decoding skip building a mask
+        # Set by a probe (fidelity.py): attention then keeps, in ``newest_attention``, the
+        # mass each slot got from the newest query, (batch, kv_heads, held) float32,
+        # summed over the query heads of its group; even for a policy without scores.
+        self.watch_newest = False
+        self.newest_attention: torch.Tensor | None = None
 
     # ---- transformers' layer interface -------------------------------------------------
 
@@ -151,6 +156,7 @@ class H2OLayer(CacheLayerMixin):
         self.is_initialized = False
         self.has_padding = False
         self.seen = self.held = self.query_shift = 0
+        self.newest_attention = None
         if layer_awaiting_attention() is self:
             _awaiting.layer = None
 

@@ -13,7 +13,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +104,10 @@ class Session:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
+        # Called after every forward pass, still holding the model lock, with the token
+        # list, the span [start, end) of it just fed and the logits of its last token;
+        # e.g. a fidelity probe feeding the same tokens to a second cache.
+        self.observer: Callable[[list[int], int, int, torch.Tensor], None] | None = None
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -152,6 +156,8 @@ class Session:
             try:
                 with self._model_lock, torch.inference_mode():
                     out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                    if self.observer is not None:
+                        self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], out.logits[0, -1])
             except BaseException:
                 self._rebuild_cache(self.fed)
                 raise

@@ -10,9 +10,11 @@ import gradio as gr
 
 from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.fidelity import FidelityProbe
 from h2o_chat.session import ChatSession
 
 from .chat_tab import shown_messages
+from .fidelity_panel import FidelityPanel
 from .gauges import (
     GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, first_divergence, gauge_html,
 )
@@ -27,6 +29,9 @@ from .view_state import (
 BOUNDED, FULL = "bounded", "full"  # the two sides
 FULL_LABEL = "full cache"
 _CONTEXT_TOKENS = 8  # tokens of each reply shown after the point where they diverge
+# The fidelity gauge's shadow costs the bounded side one more forward pass per token
+# (tests/measure_fidelity_cost.py), so it starts off.
+FIDELITY_ON = False
 
 
 def bounded_label(cache: CacheConfig) -> str:
@@ -54,6 +59,17 @@ class CompareState(ViewState):
         self.series = TurnSeries()
         self.turns = 0
         self.divergences: list[str] = []  # one line per turn
+        self.probe: FidelityProbe | None = None  # the fidelity gauge's shadow, while on
+        self.fidelity_step: int | None = None  # the position picked in the gauge
+
+    def use_probe(self, on: bool) -> None:
+        """Turn the fidelity gauge's shadow on or off; call it between turns. Turned on
+        mid-conversation, the shadow reads the conversation so far on the next send."""
+        if on and self.probe is None:
+            self.probe = FidelityProbe(self.sides[BOUNDED]).attach()
+        elif not on and self.probe is not None:
+            self.probe.detach()
+            self.probe = None  # lets go of the shadow's cache
 
     def sessions(self) -> list[ChatSession]:
         return list(self.sides.values())  # the bounded one first: the map shows it
@@ -100,6 +116,7 @@ class CompareTab:
             self.slots_plot = gr.LinePlot(x="turn", y="slots held", color="cache", height=240,
                                           title="Slots held per layer and head",
                                           elem_id="compare-slots-plot")
+        self.fidelity = FidelityPanel("compare", FIDELITY_ON)
         self.map = MapPanel("compare")
         self._wire()
 
@@ -107,16 +124,18 @@ class CompareTab:
     def _outputs(self) -> list:
         return [self.state, self.text, self.bounded_chat, self.full_chat, self.bounded_gauge,
                 self.full_gauge, self.divergence, self.memory_plot, self.slots_plot,
-                *self.map.outputs]
+                *self.fidelity.outputs, *self.map.outputs]
 
     def _wire(self) -> None:
         gr.on([self.text.submit, self.send.click], self._on_send,
-              {self.state, self.text, self.map.live, *self.settings.components, *self.map.pickers},
+              {self.state, self.text, self.map.live, self.fidelity.enabled,
+               *self.settings.components, *self.map.pickers},
               self._outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
         self.reset.click(self._on_reset, {self.state, *self.settings.components}, self._outputs)
         self.map.wire(self.state)
+        self.fidelity.wire(self.state)
 
     def _on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
@@ -133,6 +152,8 @@ class CompareTab:
             sampling["seed"] = random.randrange(2**31)
         chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
         with state.running():
+            state.use_probe(values[self.fidelity.enabled])
+            state.fidelity_step = None  # a new reply: show its own worst step
             try:
                 streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
             except ValueError as err:
@@ -175,6 +196,8 @@ class CompareTab:
             self.slots_plot: gr.LinePlot(frame, sort=order),
             self.divergence: self._divergence(state, turn),
         }
+        update |= (self.fidelity.render(state) if state.probe else
+                   self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from the next message"))
         if final or values[self.map.live]:
             snap = snapshots[BOUNDED]
             update |= self.map.render(state.loaded, snap.tokens, snap.stats.cache, values)
@@ -203,5 +226,5 @@ class CompareTab:
                 self.full_chat: [],
                 self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache)),
                 self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
-                self.memory_plot: None, self.slots_plot: None,
+                self.memory_plot: None, self.slots_plot: None, **self.fidelity.cleared(),
                 **{output: "" for output in self.map.outputs}}

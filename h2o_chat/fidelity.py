@@ -1,0 +1,157 @@
+"""What a bounded cache forgot: a full-cache shadow fed the same tokens, compared per step.
+
+A ``FidelityProbe`` attaches to a session as its observer. After each forward pass of the
+session, still under the model lock, it feeds the same tokens to its own full cache
+(teacher forcing: the shadow never samples, so both read exactly the same conversation,
+and the same model weights serve both) and records, for the token the session predicts
+next, whether the two caches' most likely tokens agree, KL(full || bounded) of their
+next-token distributions, and which tokens the bounded cache no longer held although the
+full cache's newest query attended to them most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cache import H2OCache, make_cache
+from .session import Session
+
+TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """A token the bounded cache lacked at one step, in some layers and KV heads."""
+
+    position: int  # in the conversation
+    # Attention the full cache's newest query gave it where the bounded cache lacked it,
+    # as a share of all its attention (averaged over layers and query heads).
+    mass: float
+    pairs: int  # (layer, KV head) pairs of the bounded cache that lacked it
+
+
+@dataclass(frozen=True)
+class FidelityPoint:
+    """One forward pass of the bounded session: the prediction of token ``position``."""
+
+    position: int  # index in the conversation of the token being predicted
+    agree: bool  # both caches' most likely next token is the same
+    kl: float  # KL(full || bounded) of the next-token distributions, nats
+    full_top: int  # the full cache's most likely next token
+    bounded_top: int
+    lost_mass: float  # share of the newest query's attention on tokens the bounded lacked
+    forgotten: tuple[Forgotten, ...]  # the heaviest of them (at most TOP_FORGOTTEN)
+
+
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(softmax(reference) || softmax(other)) in nats, from two logit vectors."""
+    ref, oth = reference.float().log_softmax(-1), other.float().log_softmax(-1)
+    # Rounding can leave a hair below zero for identical distributions.
+    return max(0.0, float((ref.exp() * (ref - oth)).sum()))
+
+
+def held_positions(cache: H2OCache) -> torch.Tensor | None:
+    """Copy of the positions every layer holds, ``(layers, kv_heads, held)`` for batch
+    row 0 (every layer holds equally many slots); None before the first token."""
+    if not cache.layers[0].is_initialized:
+        return None
+    return torch.stack([layer.positions[0] for layer in cache.layers])
+
+
+class FidelityProbe:
+    """A full-cache shadow of one session; ``points`` holds one ``FidelityPoint`` per
+    forward pass of the session since it was attached."""
+
+    def __init__(self, session: Session, top_k: int = TOP_FORGOTTEN) -> None:
+        self.session = session
+        self.top_k = top_k
+        self.shadow = make_cache(session.model, "full")
+        for layer in self.shadow.layers:
+            layer.watch_newest = True
+        self.shadow_tokens: list[int] = []  # what the shadow has read
+        self.points: list[FidelityPoint] = []
+        self.full_logits: torch.Tensor | None = None  # the shadow's, at the latest step
+        self._held_at = (0, None)  # (tokens fed, bounded positions held right then)
+
+    def attach(self) -> FidelityProbe:
+        """Observe the session from its next forward pass on."""
+        if self.session.observer not in (None, self.observe):
+            raise RuntimeError("the session already has an observer")
+        # What the bounded cache holds before the next pass: the tokens its query can see.
+        self._held_at = (self.session.fed, held_positions(self.session.cache))
+        self.session.observer = self.observe
+        return self
+
+    def detach(self) -> None:
+        if self.session.observer == self.observe:
+            self.session.observer = None
+
+    def observe(self, tokens: list[int], start: int, end: int, logits: torch.Tensor) -> None:
+        """The session just fed ``tokens[start:end]`` and predicted from ``logits``; the
+        caller holds the model lock."""
+        while self.points and self.points[-1].position > start:
+            self.points.pop()  # the session went back (rebuilt its cache): a new timeline
+        with torch.inference_mode():
+            self._catch_up(tokens[:start])
+            self.full_logits = self._feed(tokens[start:end])
+            visible = self._visible_before(start, end)
+            self.points.append(self._point(end, logits, self.full_logits, visible))
+        self._held_at = (end, held_positions(self.session.cache))
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _feed(self, ids: Sequence[int]) -> torch.Tensor:
+        chunk = torch.tensor([list(ids)], device=self.session.model.device)
+        out = self.session.model(input_ids=chunk, past_key_values=self.shadow, use_cache=True,
+                                 logits_to_keep=1)
+        self.shadow_tokens += ids
+        return out.logits[0, -1]
+
+    def _catch_up(self, prefix: list[int]) -> None:
+        """Make the shadow have read exactly ``prefix`` (attached mid-conversation, or the
+        session went back), in the session's chunks."""
+        if self.shadow_tokens != prefix[: len(self.shadow_tokens)]:
+            self.shadow.reset()
+            self.shadow_tokens = []
+        size = self.session.prefill_chunk_size
+        for at in range(len(self.shadow_tokens), len(prefix), size):
+            self._feed(prefix[at : at + size])
+
+    def _visible_before(self, start: int, end: int) -> torch.Tensor:
+        """``(layers, kv_heads, end)`` bool: which positions the bounded cache's newest
+        query could attend to in the pass that fed ``[start, end)``: what it held before
+        the pass (its eviction after the pass does not count yet) plus the new tokens."""
+        fed, held = self._held_at
+        if fed != start:
+            # Not seen from the start of this pass (cannot happen while attached from the
+            # session's own fed count on): the best known is what it holds now.
+            held = held_positions(self.session.cache) if start else None
+        layers, kv_heads = len(self.shadow.layers), self.shadow.layers[0].keys.shape[1]
+        visible = torch.zeros(layers, kv_heads, end, dtype=torch.bool)
+        if held is not None and start:
+            visible.scatter_(-1, held.cpu(), True)
+        visible[..., start:end] = True
+        return visible
+
+    def _point(self, position: int, logits: torch.Tensor, full_logits: torch.Tensor,
+               visible: torch.Tensor) -> FidelityPoint:
+        # A full cache never evicts, so its slot i holds position i.
+        attention = torch.stack([layer.newest_attention[0] for layer in self.shadow.layers]).cpu()
+        query_heads = self.session.model.config.get_text_config(decoder=True).num_attention_heads
+        lacking = ~visible
+        lost = (attention * lacking).sum(dim=(0, 1)) / (attention.shape[0] * query_heads)
+        pairs = lacking.sum(dim=(0, 1))
+        top = lost.topk(min(self.top_k, lost.numel()))
+        forgotten = tuple(
+            Forgotten(int(p), float(m), int(pairs[p]))
+            for m, p in zip(top.values.tolist(), top.indices.tolist()) if m > 0
+        )
+        full_top, bounded_top = int(full_logits.argmax()), int(logits.argmax())
+        return FidelityPoint(
+            position=position, agree=full_top == bounded_top,
+            kl=kl_divergence(full_logits, logits), full_top=full_top, bounded_top=bounded_top,
+            lost_mass=float(lost.sum()), forgotten=forgotten,
+        )
