@@ -1,6 +1,8 @@
 """The fidelity probe (a full-cache shadow teacher-forced on a session's tokens) and the
 compare view's gauge, on the real embedded model."""
 
+import html
+
 import gradio as gr
 import torch
 
@@ -103,9 +105,13 @@ def test_compare_view_gauge(smollm):
     frame = last[panel.plot].value
     assert len(frame["data"]) == len(probe.points)
     worst = max(probe.points, key=lambda p: p.kl)
-    assert f'data-step="{worst.position}"' in last[panel.detail]
-    for f in worst.forgotten:
+    assert last[panel.step] == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
+    tokens = view.state.sides["bounded"].tokens
+    assert worst.forgotten
+    for f in worst.forgotten:  # highlighted in the text and listed, with their own text
+        piece = html.escape(loaded_piece(smollm, tokens[f.position]))
         assert f'data-pos="{f.position}"' in last[panel.detail]
+        assert f"<li>#{f.position} <code>{piece}</code>" in last[panel.detail]
 
     # Selecting a range on the plot shows its largest-KL step.
     first, second = probe.points[-2:]
@@ -115,7 +121,8 @@ def test_compare_view_gauge(smollm):
     assert picked[panel.step] == expected.position
     assert f'data-step="{expected.position}"' in picked[panel.detail]
     typed = panel._on_step(view.state, first.position)
-    assert f'data-step="{first.position}"' in typed[panel.detail]
+    assert typed[panel.step] == first.position and f'data-step="{first.position}"' in typed[panel.detail]
+    assert "no prediction recorded at token 1" in panel._on_step(view.state, 1)[panel.detail]
 
     # Turned off, the next message runs without the shadow.
     view.set(fidelity=False)
@@ -123,3 +130,7 @@ def test_compare_view_gauge(smollm):
     assert view.state.probe is None and view.state.sides["bounded"].observer is None
     assert "gauge off" in last[panel.summary]
 
+
+
+def loaded_piece(smollm, token):
+    return smollm[1].decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -53,6 +53,15 @@ def summary_html(points: Sequence[FidelityPoint], since: int = 0) -> str:
             % (len(points), "<br>".join(lines)))
 
 
+def _x_range(points: Sequence[FidelityPoint]) -> list[float] | None:
+    """The plot's x range, fitted to the points. A new range also makes the page draw the
+    plot afresh, which it must when a colour first appears (the first differing top
+    token): an update of the data alone keeps the colours of the first drawing."""
+    if not points:
+        return None
+    return [points[0].position - 0.5, points[-1].position + 0.5]
+
+
 def pick_point(points: Sequence[FidelityPoint], low: float | None = None,
                high: float | None = None) -> FidelityPoint | None:
     """The prediction with the largest KL among positions in ``[low, high]`` (all when
@@ -88,7 +97,7 @@ def forgotten_html(point: FidelityPoint, tokens: Sequence[int],
     items = "".join(
         f"<li>#{f.position} <code>{html.escape(piece)}</code>: {100 * f.mass:.2f}% of the "
         f"attention, lacking in {f.pairs}/{pairs} pairs</li>"
-        for f, piece in zip(point.forgotten, pieces([f.position for f in point.forgotten])))
+        for f, piece in zip(point.forgotten, pieces([tokens[f.position] for f in point.forgotten])))
     full_top, bounded_top = (html.escape(t) for t in pieces([point.full_top, point.bounded_top]))
     return (
         f'<div class="fidsum" data-step="{point.position}" data-agree="{int(point.agree)}">'
@@ -122,20 +131,22 @@ class FidelityPanel:
                 "applies from the next message)", elem_id=f"{prefix}-fidelity-on")
             self.summary = gr.HTML(css_template=FIDELITY_CSS, elem_id=f"{prefix}-fidelity-summary")
             self.plot = gr.ScatterPlot(x="token", y="KL (nats)", color="top-1", height=240,
+                                       color_map={AGREE: "#2563eb", DIFFER: "#dc2626"},
                                        title="KL(full ‖ bounded) per predicted token",
                                        elem_id=f"{prefix}-fidelity-plot")
             self.step = gr.Number(None, precision=0, minimum=0,
-                                  label="token (empty: the largest KL of this reply)",
-                                  elem_id=f"{prefix}-fidelity-step")
+                                  label="token shown: type one and press Enter (empty: the "
+                                  "largest KL of this reply)", elem_id=f"{prefix}-fidelity-step")
             self.detail = gr.HTML(css_template=FIDELITY_CSS, elem_id=f"{prefix}-fidelity-detail")
 
     @property
     def outputs(self) -> list:
-        return [self.summary, self.plot, self.detail]
+        return [self.summary, self.plot, self.step, self.detail]
 
     def wire(self, state: gr.State) -> None:
         self.plot.select(self._on_select, state, [self.step, self.detail], show_progress="hidden")
-        self.step.input(self._on_step, [state, self.step], [self.detail], show_progress="hidden")
+        self.step.submit(self._on_step, [state, self.step], [self.step, self.detail],
+                         show_progress="hidden")
 
     def render(self, state) -> dict:
         """Summary, plot and the picked (or worst) step, from the probe's points now."""
@@ -146,20 +157,23 @@ class FidelityPanel:
         tokens = list(probe.session.tokens)
         since = len(tokens) - len(probe.session.reply)
         return {self.summary: summary_html(points, since),
-                self.plot: gr.ScatterPlot(points_frame(points)),
-                self.detail: self._detail(state, points, tokens, since)}
+                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points)),
+                **self._detail(state, points, tokens, since)}
 
     def cleared(self, note: str = "") -> dict:
-        return {self.summary: note, self.plot: None, self.detail: ""}
+        return {self.summary: note, self.plot: None, self.step: None, self.detail: ""}
 
-    def _detail(self, state, points: list[FidelityPoint], tokens: list[int], since: int) -> str:
+    def _detail(self, state, points: list[FidelityPoint], tokens: list[int], since: int) -> dict:
+        """The picked step (or this reply's largest KL) and its number in the box."""
         step = state.fidelity_step
         point = (pick_point(points, since) if step is None
                  else next((p for p in points if p.position == step), None))
         if point is None:
-            return "" if step is None else f'<div class="fidsum">no prediction recorded at token {step}</div>'
+            note = "" if step is None else f'<div class="fidsum">no prediction recorded at token {step}</div>'
+            return {self.step: step, self.detail: note}
         loaded = state.loaded
-        return forgotten_html(point, tokens, loaded.pieces, loaded.layers * loaded.kv_heads)
+        return {self.step: point.position,
+                self.detail: forgotten_html(point, tokens, loaded.pieces, loaded.layers * loaded.kv_heads)}
 
     def _on_select(self, state, event: gr.SelectData) -> dict:
         probe = state.probe if state else None
@@ -168,8 +182,7 @@ class FidelityPanel:
         point = pick_point(probe.points, *event.index[:2])
         if point is None:
             return {}
-        state.fidelity_step = point.position
-        return {self.step: point.position, **self._on_step(state, point.position)}
+        return self._on_step(state, point.position)
 
     def _on_step(self, state, step: float | None) -> dict:
         if state is None or state.probe is None:
@@ -177,4 +190,4 @@ class FidelityPanel:
         state.fidelity_step = None if step is None else int(step)
         points, tokens = list(state.probe.points), list(state.probe.session.tokens)
         since = len(tokens) - len(state.probe.session.reply)
-        return {self.detail: self._detail(state, points, tokens, since)}
+        return self._detail(state, points, tokens, since)
