@@ -208,3 +208,43 @@ def test_rss_sampler_sees_an_allocation():
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
         block += 1
     assert sampler.peak - sampler.start > 32 * 2**20
+
+
+# ---- position rolling (comparison 6) -------------------------------------------------------
+
+
+def test_rolling_bench_scores_every_token_in_its_window(tiny_model, tmp_path):
+    from h2o_chat.bench import rolling
+    from h2o_chat.bench.__main__ import parse_args
+
+    torch.manual_seed(3)
+    ids = torch.randint(0, 128, (70,)).tolist()
+    quiet = lambda *args: None  # noqa: E731
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([ids])).logits[0]  # one pass, no cache
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="none")
+    # Windows of 32 over 70 tokens: token 0 is never predicted, the last window is short.
+    expected = [metrics.perplexity(nll[a:b]) for a, b in ((0, 31), (31, 63), (63, 69))]
+
+    # A budget above the text: nothing is evicted, so every run (full, each policy with
+    # absolute and with rolled positions) is the model's own one-pass perplexity.
+    roomy = rolling.run(tiny_model, None, 70, budget=80, chunk=8, window=32, ids=ids, log=quiet)
+    assert [r["label"] for r in roomy["runs"]] == ["full", "h2o absolute", "sink absolute", "h2o rolling",
+                                                   "sink rolling"]
+    for run in roomy["runs"]:
+        assert [w["tokens"] for w in run["windows"]] == [31, 32, 6]
+        assert [w["ppl"] for w in run["windows"]] == pytest.approx(expected, rel=1e-4)
+        # All windows lie inside the tiny model's 4096 positions: pooled = the whole run.
+        assert rolling.past_trained(roomy)[run["label"]] == {"inside": pytest.approx(run["ppl"]), "past": None}
+
+    tight = rolling.run(tiny_model, None, 70, budget=16, chunk=8, window=32, ids=ids, full=False, log=quiet)
+    runs = {r["label"]: r for r in tight["runs"]}
+    assert all(r["held_at_end"] <= 16 and all(math.isfinite(w["ppl"]) for w in r["windows"]) for r in runs.values())
+    assert runs["h2o rolling"]["ppl"] != pytest.approx(runs["h2o absolute"]["ppl"], rel=1e-4)
+    assert tight["config"]["trained_context"] == 4096 and tight["config"]["chunk"] == 8
+
+    report.rolling_plot(tight, tmp_path / "rolling.png")
+    assert (tmp_path / "rolling.png").stat().st_size > 0
+    assert "| 64–70 | inside |" in report.rolling_markdown(tight)
+    # Both presets stream past the real model's 8192-token trained context.
+    assert min(parse_args(["rolling", mode]).tokens for mode in ("--quick", "--full")) > 8192

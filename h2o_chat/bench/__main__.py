@@ -1,7 +1,7 @@
 """``python -m h2o_chat.bench [COMPARISON ...] [--quick | --full] [--out DIR] ...``
 
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
-chat (5), or all. Each comparison runs in one process on the same inputs for every policy
+chat (5), rolling (6: absolute vs rolled positions past the trained context), or all. Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
 """
@@ -14,15 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-COMPARISONS = ["streaming", "continuation", "tune", "xsum", "speed", "chat"]
+COMPARISONS = ["streaming", "continuation", "tune", "xsum", "speed", "chat", "rolling"]
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the issue's protocol.
 PRESETS = {
     "quick": dict(passages=2, budgets="0.2", tune_budgets="0.2", articles=10, contexts="512,1024,2048,4096",
-                  decode_tokens=16, repeats=3, prefill_repeats=1, questions=20, max_new_tokens=16),
+                  decode_tokens=16, repeats=3, prefill_repeats=1, questions=20, max_new_tokens=16,
+                  tokens=10240),
     "full": dict(passages=4, budgets="0.1,0.2,0.5,64,128,256,512", tune_budgets="0.1,0.2", articles=100,
                  contexts="512,1024,2048,4096,8192", decode_tokens=64, repeats=5, prefill_repeats=2,
-                 questions=80, max_new_tokens=64),
+                 questions=80, max_new_tokens=64, tokens=16384),
 }
 
 
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, help="chat: MT-Bench questions (2 turns each)")
     p.add_argument("--max-new-tokens", type=int, help="chat: reply length cap per turn")
     p.add_argument("--chat-budget", type=int, default=512, help="chat: cache slots (default 512)")
+    p.add_argument("--tokens", type=int, help="rolling: book tokens streamed (past the model's 8192 trained context)")
+    p.add_argument("--chunk", type=int, default=32, help="rolling: tokens fed per forward pass (default 32)")
+    p.add_argument("--rolling-budget", type=int, default=512, help="rolling: cache slots (default 512)")
     p.add_argument("--variant", default=None,
                    help="extra H2O variant compared in streaming/continuation/xsum/chat, e.g. "
                         "'mean:0.25:4' (norm:heavy share:sink) or 'decay0.99:0.5:4'")
@@ -183,6 +187,16 @@ def main(argv=None) -> int:
         body = report.chat_markdown(result) + "\n\n" + "\n".join(result["notes"]) + "\n\n![long chat](long_chat.png)"
         report.write_markdown(args.out, "long_chat", "5. A long chat: MT-Bench, one session per policy", body, machine)
         log(f"chat done in {time.perf_counter() - started:.0f}s")
+    if "rolling" in args.comparisons:
+        from . import rolling
+
+        started, load0 = time.perf_counter(), list(os.getloadavg())
+        result = rolling.run(model, tokenizer, args.tokens, budget=args.rolling_budget, chunk=args.chunk, log=log)
+        machine = finish("rolling", result, started, load0)
+        report.rolling_plot(result, args.out / "rolling.png")
+        body = report.rolling_markdown(result) + "\n\n![rolling](rolling.png)"
+        report.write_markdown(args.out, "rolling", "6. Position rolling past the trained context", body, machine)
+        log(f"rolling done in {time.perf_counter() - started:.0f}s")
     log(f"done: {args.out / 'index.md'}")
     return 0
 

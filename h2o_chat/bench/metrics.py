@@ -23,12 +23,18 @@ def token_metrics(
     Returns three tensors shaped like ``targets``: nll (float), agree (bool), kl (float).
     """
     logp = F.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(-1, targets[..., None]).squeeze(-1)
+    nll = token_nll(logp, targets)
     agree = logp.argmax(-1) == ref_logprobs.argmax(-1)
     ref = ref_logprobs.float()
     # p_ref * (log p_ref - log p_pol); terms where p_ref == 0 contribute 0, not NaN.
     kl = torch.where(ref.exp() > 0, ref.exp() * (ref - logp), torch.zeros_like(ref)).sum(-1)
     return nll, agree, kl.clamp(min=0.0)
+
+
+def token_nll(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of each target under ``logprobs`` (``log_softmax`` of the
+    logits), shaped like ``targets``."""
+    return -logprobs.gather(-1, targets[..., None]).squeeze(-1)
 
 
 def perplexity(nll: torch.Tensor) -> float:

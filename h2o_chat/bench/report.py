@@ -89,7 +89,7 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "streaming-10", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat"]
+    order = ["streaming", "streaming-10", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full"]
     parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
@@ -335,6 +335,57 @@ def tuning_plot(records: list[dict], path: Path) -> None:
             ax.set_title(f"{phase}, budget {budget}")
             ax.tick_params(axis="y", labelsize=7)
             ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ---- comparison 6: position rolling -------------------------------------------------------
+
+
+def rolling_markdown(result: dict) -> str:
+    """Perplexity per window for every run, then each run pooled inside and past the
+    model's trained context."""
+    from .rolling import past_trained
+
+    cfg, runs = result["config"], result["runs"]
+    trained = cfg["trained_context"]
+    rows = []
+    for i, w in enumerate(runs[0]["windows"]):
+        where = "past" if w["end"] > trained else "inside"
+        rows.append([f"{w['start']}–{w['end']}", where] + [f"{run['windows'][i]['ppl']:.2f}" for run in runs])
+    table = md_table(["tokens", "trained context"] + [r["label"] for r in runs], rows)
+    pooled = past_trained(result)
+    summary = md_table(
+        ["run", f"ppl inside (< {trained})", f"ppl past {trained}", "past / inside", "ppl all"],
+        [[r["label"], pooled[r["label"]]["inside"], pooled[r["label"]]["past"],
+          None if pooled[r["label"]]["past"] is None else f"{pooled[r['label']]['past'] / pooled[r['label']]['inside']:.3f}",
+          r["ppl"]] for r in runs])
+    policies = {r["policy"]: r.get("variant") for r in runs if r.get("variant")}
+    described = ", ".join(f"{p} = {v['sink']} sink + {v['heavy']} heavy + {v['recent']} recent" for p, v in policies.items())
+    return (f"*{cfg['source']}* from {cfg['start']}, {cfg['tokens']} tokens streamed in chunks of {cfg['chunk']} "
+            f"tokens through {cfg['budget']} slots ({described}; at most {cfg['budget']} + {cfg['chunk']} during a "
+            f"forward pass); perplexity per {cfg['window']}-token window. The model's trained context is {trained}. "
+            "Absolute: keys keep their token position. Rolling: keys at their rank in the cache, queries right "
+            "after, so no query–key distance exceeds budget + chunk. Full: every token kept, absolute positions "
+            f"(fed in {cfg['full_chunk']}-token chunks; it never evicts).\n\n" + table
+            + "\n\nPooled over the windows inside and past the trained context:\n\n" + summary)
+
+
+def rolling_plot(result: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run in result["runs"]:
+        x = [(w["start"] + w["end"]) / 2 for w in run["windows"]]
+        ax.plot(x, [w["ppl"] for w in run["windows"]], marker="s" if run["mode"] == "rolling" else "o",
+                ls="--" if run["mode"] == "absolute" and run["policy"] != "full" else "-",
+                color=COLORS.get(run["policy"]), label=run["label"], alpha=0.85)
+    ax.axvline(result["config"]["trained_context"], color="gray", ls=":", label="trained context")
+    cfg = result["config"]
+    ax.set_xlabel("token of the book (window centre)")
+    ax.set_ylabel(f"perplexity per {cfg['window']}-token window")
+    ax.set_title(f"Absolute vs rolled positions: {cfg['budget']} slots, chunks of {cfg['chunk']} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -24,6 +24,7 @@ import torch
 
 from h2o_chat.cache import H2OCache, H2OLayer
 from h2o_chat.policies import EvictionPolicy, window_indices
+from h2o_chat.rope import RopeShifter
 
 
 @dataclass(frozen=True)
@@ -164,16 +165,18 @@ class BenchLayer(H2OLayer):
 class BenchCache(H2OCache):
     """``H2OCache`` made of ``BenchLayer``s."""
 
-    def __init__(self, policy: EvictionPolicy, num_layers: int) -> None:
-        super().__init__(policy, num_layers)
-        self.layers = [BenchLayer(policy, self.spans) for _ in range(num_layers)]
+    def __init__(self, policy: EvictionPolicy, num_layers: int, rope: RopeShifter | None = None) -> None:
+        super().__init__(policy, num_layers, rope)
+        self.layers = [BenchLayer(policy, self.spans, rope) for _ in range(num_layers)]
 
 
-def bench_cache(model, variants: list[Variant], rows: int = 1) -> BenchCache:
-    """A cache for ``model`` whose row block k follows ``variants[k]`` (``rows`` rows each)."""
+def bench_cache(model, variants: list[Variant], rows: int = 1, rolling: bool = False) -> BenchCache:
+    """A cache for ``model`` whose row block k follows ``variants[k]`` (``rows`` rows each);
+    ``rolling`` as in ``make_cache``."""
     from h2o_chat.attention import ATTENTION_NAME
 
     config = model.config.get_text_config(decoder=True)
     if config._attn_implementation != ATTENTION_NAME:
         raise ValueError(f"the model must use the {ATTENTION_NAME!r} attention (load it with load_model)")
-    return BenchCache(MixedPolicy(variants, rows), config.num_hidden_layers)
+    rope = RopeShifter.from_model(model) if rolling else None
+    return BenchCache(MixedPolicy(variants, rows), config.num_hidden_layers, rope)
