@@ -35,12 +35,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heavy", type=int, help="heavy-hitter slots")
     parser.add_argument("--recent", type=int, help="recent-window slots")
     parser.add_argument("--sink", type=int, help="attention-sink slots")
+    parser.add_argument("--rolling", action="store_true", default=None,
+                        help="rolling positions: cached tokens at their rank in the cache")
     return parser.parse_args(argv)
 
 
 def overrides(args: argparse.Namespace) -> dict:
     """The flags given, as a nested dict like the config file."""
-    sections = {"server": ("host", "port", "share"), "cache": ("policy", "heavy", "recent", "sink")}
+    sections = {"server": ("host", "port", "share"), "cache": ("policy", "heavy", "recent", "sink", "rolling")}
     return {
         section: values
         for section, keys in sections.items()

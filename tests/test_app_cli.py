@@ -20,3 +20,10 @@ def test_flags_override_server_and_cache():
     }
     config = load_config(None, app.overrides(args))
     assert config.server.share and config.cache.recent == 64 and config.cache.heavy == 128
+
+
+def test_rolling_flag_turns_rolling_on():
+    assert not load_config(None, app.overrides(app.parse_args([]))).cache.rolling
+    args = app.parse_args(["--rolling", "--policy", "sink"])
+    assert app.overrides(args) == {"cache": {"policy": "sink", "rolling": True}}
+    assert load_config(None, app.overrides(args)).cache.rolling

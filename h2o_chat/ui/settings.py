@@ -44,11 +44,15 @@ class Settings:
                                         label="recent slots", elem_id="recent")
                 self.sink = gr.Number(cache.sink, precision=0, minimum=0,
                                       label="sink slots", elem_id="sink")
+                self.rolling = gr.Checkbox(
+                    cache.rolling, label="rolling positions", elem_id="rolling",
+                    info="cached tokens at their rank in the cache, so a conversation can "
+                         "outgrow the model's trained context")
 
     @property
     def components(self) -> set[gr.components.Component]:
         return {self.temperature, self.top_p, self.max_new_tokens, self.seed,
-                self.policy, self.heavy, self.recent, self.sink}
+                self.policy, self.heavy, self.recent, self.sink, self.rolling}
 
     def sampling(self, values: dict) -> dict[str, Any]:
         """Keyword arguments of ``session.send`` (checked there)."""
@@ -62,7 +66,7 @@ class Settings:
     def cache(self, values: dict) -> CacheConfig:
         """The cache settings, checked by the config file's rules; gr.Error if bad."""
         cache = dataclasses.replace(
-            self.config.cache, policy=values[self.policy],
+            self.config.cache, policy=values[self.policy], rolling=bool(values[self.rolling]),
             **{name: _int_or_none(values[getattr(self, name)]) for name in ("heavy", "recent", "sink")},
         )
         try:
