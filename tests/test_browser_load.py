@@ -1,0 +1,117 @@
+"""Many browsers on one model, through the real app and Debian's chromium: separate
+conversations that equal the same ones run alone, a visible queue past the server's
+generation limit, and sessions freed when their tabs close."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from h2o_chat import ChatSession, make_cache
+from h2o_chat.config import load_config
+
+from .browser_support import DONE_TIMEOUT_MS, chromium, configure, messages, open_app, running_app
+
+CONVERSATIONS = [
+    ["What is the capital of France?", "And of Spain?", "Which is bigger?", "Name a river there.",
+     "Thanks!"],
+    ["Name three colours.", "Which one is warm?", "Name a fruit of that colour.", "Is it sweet?",
+     "Bye."],
+    ["What is 2 + 2?", "Times three?", "Minus five?", "Is that prime?", "Good."],
+    ["Say hello in French.", "In Spanish?", "In German?", "In Italian?", "Which is shortest?"],
+]
+MAX_NEW_TOKENS = 8
+LIMIT = 2  # generations at once: four browsers make two of them wait
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    config = tmp_path_factory.mktemp("config") / "load.yaml"
+    config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n")
+    with running_app("--config", str(config)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright, chromium(playwright) as browser:
+        yield browser
+
+
+def _plain(text: str) -> str:
+    """Text as a chatbot bubble shows it, give or take its Markdown (list markers are
+    drawn, not text; emphasis marks vanish)."""
+    text = re.sub(r"(?m)^\s*(\d+\.|[-+*])\s+", "", text)
+    return re.sub(r"\s+", " ", re.sub(r"[*_`#]", "", text)).strip()
+
+
+def _alone(model, tokenizer, questions: list[str]) -> list[str]:
+    """The replies of the same conversation run alone, as the app runs it by default."""
+    config = load_config()
+    cache = config.cache
+    session = ChatSession(model, tokenizer, make_cache(model, cache.policy, heavy=cache.heavy,
+                                                       recent=cache.recent, sink=cache.sink),
+                          system_prompt=config.generation.system_prompt,
+                          prefill_chunk_size=cache.prefill_chunk_size)
+    return ["".join(session.send(q, temperature=0, max_new_tokens=MAX_NEW_TOKENS)) for q in questions]
+
+
+def _server_line(page) -> str:
+    return page.locator("#server-load").inner_text()
+
+
+def test_four_browsers_five_turns_each_equal_their_conversations_run_alone(browser, app_url, smollm):
+    pages = [open_app(browser, app_url) for _ in CONVERSATIONS]
+    queued = False
+    try:
+        for page in pages:
+            configure(page, max_new_tokens=MAX_NEW_TOKENS)
+        for turn in range(5):
+            for page, questions in zip(pages, CONVERSATIONS):
+                page.fill("#chat-input textarea", questions[turn])
+            for page in pages:
+                page.click("#chat-send")
+            deadline = time.monotonic() + 15
+            while turn == 0 and not queued and time.monotonic() < deadline:
+                # Gradio shows a waiting event's place in the queue on its outputs.
+                queued = any("queue:" in page.locator("#chatbot").inner_text() for page in pages)
+            for page in pages:
+                page.wait_for_function(
+                    f"document.querySelectorAll('#chatbot [data-testid=bot]').length == {turn + 1}",
+                    timeout=DONE_TIMEOUT_MS)
+                page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+        assert queued, "no page showed its place in the queue while two others generated"
+        for page, questions in zip(pages, CONVERSATIONS):
+            assert messages(page, "chatbot", "user") == questions
+            shown = [_plain(reply) for reply in messages(page, "chatbot", "bot")]
+            assert shown == [_plain(reply) for reply in _alone(*smollm, questions)]
+    finally:
+        for page in pages:
+            page.context.close()
+
+
+def test_closing_tabs_frees_their_sessions_at_once(browser, app_url):
+    pages = [open_app(browser, app_url) for _ in range(3)]
+    try:
+        for page in pages:
+            configure(page, max_new_tokens=4)
+            page.fill("#chat-input textarea", "Hi!")
+            page.click("#chat-send")
+        for page in pages:
+            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+            page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+        # Every earlier page of this module was closed too: only these three are open.
+        pages[0].wait_for_function(
+            "document.querySelector('#server-load').innerText.includes('3 conversations open')",
+            timeout=20_000)
+        for page in pages[1:]:
+            page.context.close()
+        pages[0].wait_for_function(
+            "document.querySelector('#server-load').innerText.includes('1 conversation open')",
+            timeout=30_000)
+        assert "0 generating" in _server_line(pages[0])
+    finally:
+        pages[0].context.close()
