@@ -156,6 +156,13 @@ def test_bool_is_not_a_float(tmp_path):
         ("server", "port", 0, "from 1 to 65535"),
         ("server", "port", 65536, "from 1 to 65535"),
         ("server", "host", "", "non-empty"),
+        ("server", "max_message_chars", 0, "from 1 to 10000000"),
+        ("server", "max_request_mb", 0, "from 1 to 1024"),
+        ("server", "max_concurrent_generations", 0, "from 1 to 64"),
+        ("server", "max_concurrent_generations", 65, "from 1 to 64"),
+        ("server", "idle_release_minutes", 0, "> 0 and <= 10080"),
+        ("server", "username", " ", "non-empty"),
+        ("server", "password", "", "non-empty"),
     ],
 )
 def test_out_of_range(tmp_path, section, key, value, allowed):
