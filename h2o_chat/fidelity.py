@@ -126,12 +126,13 @@ class FidelityProbe:
         the pass (its eviction after the pass does not count yet) plus the new tokens."""
         fed, held = self._held_at
         if fed != start:
-            # Not seen from the start of this pass (cannot happen while attached from the
-            # session's own fed count on): the best known is what it holds now.
+            # A fresh cache (start 0: the session rebuilt it) holds nothing before the
+            # pass. Otherwise, not seen from the start of this pass (cannot happen while
+            # attached from the session's own fed count on): the best known is now.
             held = held_positions(self.session.cache) if start else None
         layers, kv_heads = len(self.shadow.layers), self.shadow.layers[0].keys.shape[1]
         visible = torch.zeros(layers, kv_heads, end, dtype=torch.bool)
-        if held is not None and start:
+        if held is not None:
             visible.scatter_(-1, held.cpu(), True)
         visible[..., start:end] = True
         return visible

@@ -3,8 +3,8 @@
 
 Each run resets the compare view and sends the same greedy prompt through its real
 handler (in process, no browser), then reads the bounded side's decode rate off its gauge
-(its own steps only, shadow included when on); gauge on and off alternate, so a
-neighbour's load on a shared machine hits both.
+(its own steps only, shadow included when on) and times the whole turn (both sides);
+gauge on and off alternate, so a neighbour's load on a shared machine hits both.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as app.py: see the README
 import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import gradio as gr  # noqa: E402
@@ -78,21 +79,30 @@ def main() -> None:
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 160
     from h2o_chat import load_model
 
-    view = CompareView(ModelProvider(load_model, "SmolLM2").start())
+    provider = ModelProvider(load_model, "SmolLM2").start()
+    provider.get()
+    view = CompareView(provider)
     view.set(temperature=0, max_new_tokens=tokens)
     rates: dict[bool, list[float]] = {True: [], False: []}
+    turns: dict[bool, list[float]] = {True: [], False: []}
     for run in range(2 * runs):
         on = run % 2 == 0
         view.reset()
         view.set(fidelity=on)
-        rate = bounded_rate(view.send(PROMPT), view)
-        rates[on].append(rate)
-        print(f"run {run + 1}: fidelity gauge {'on ' if on else 'off'} {rate:.2f} tokens/s", flush=True)
-    for on, values in rates.items():
+        started = time.perf_counter()
+        updates = view.send(PROMPT)
+        turns[on].append(time.perf_counter() - started)
+        rates[on].append(bounded_rate(updates, view))
+        print(f"run {run + 1}: fidelity gauge {'on ' if on else 'off'} {rates[on][-1]:.2f} tokens/s "
+              f"(bounded side), turn {turns[on][-1]:.1f} s (both sides)", flush=True)
+    for on in (True, False):
+        values = rates[on]
         print(f"fidelity gauge {'on ' if on else 'off'}: median {statistics.median(values):.2f} tokens/s, "
-              f"min {min(values):.2f}, max {max(values):.2f} over {len(values)} runs")
+              f"min {min(values):.2f}, max {max(values):.2f} over {len(values)} runs; "
+              f"turn median {statistics.median(turns[on]):.1f} s")
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
-    print(f"bounded side's slowdown with the gauge (medians): {100 * (1 - on / off):.1f}%")
+    print(f"bounded side's slowdown with the gauge (medians): {100 * (1 - on / off):.1f}%; whole turn "
+          f"{statistics.median(turns[True]) / statistics.median(turns[False]):.2f}x as long")
 
 
 if __name__ == "__main__":
