@@ -309,24 +309,59 @@ class H2OCache(Cache):
         """Never evict tokens at absolute positions ``[start, end)``.
 
         Future positions are pinned as they arrive; past ones only if every layer and head
-        still holds them (an evicted token cannot be brought back).
+        still holds them (an evicted token cannot be brought back): else ValueError, and
+        nothing changes.
         """
         if not 0 <= start <= end:
             raise ValueError(f"protected span [{start}, {end}) is not a valid range")
-        past_end = min(end, self.seen)
-        if start < past_end:
-            for layer in self.layers:
-                if not layer.is_initialized:
-                    continue
-                inside = (layer.positions >= start) & (layer.positions < past_end)
-                if not bool((inside.sum(-1) == past_end - start).all()):
-                    raise ValueError(
-                        f"cannot protect [{start}, {end}): some of those tokens were already evicted"
-                    )
+        lost = self.evicted(start, end)
+        if lost:
+            raise ValueError(f"cannot protect [{start}, {end}): {len(lost)} of those tokens were "
+                             f"already evicted (first at position {lost[0]})")
         self.spans.ranges.append((start, end))
+        self._refresh_pinned()
+
+    def unprotect(self, start: int, end: int) -> None:
+        """Undo one ``protect(start, end)``: its tokens become ordinary eviction candidates
+        again, with the scores they accumulated meanwhile, unless another span covers them.
+
+        The cache is brought back to its budget at once, so it may evict them right here.
+        """
+        try:
+            self.spans.ranges.remove((start, end))
+        except ValueError:
+            raise ValueError(f"[{start}, {end}) is not a protected span; protected: "
+                             f"{self.spans.ranges}") from None
+        self._refresh_pinned()
+        with torch.inference_mode():
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer._evict()
+
+    def evicted(self, start: int, end: int) -> list[int]:
+        """The positions in ``[start, end)``, among the tokens seen so far, that some layer,
+        batch row or KV head no longer holds."""
+        past_end = min(end, self.seen)
+        if start >= past_end:
+            return []
+        everywhere = torch.ones(past_end - start, dtype=torch.bool)
         for layer in self.layers:
-            if layer.is_initialized:
-                layer.pinned.copy_(layer.spans.contains(layer.positions))
+            if not layer.is_initialized:
+                continue
+            positions = layer.positions
+            inside = positions[(positions >= start) & (positions < past_end)] - start
+            # A head holds a position at most once, so it is held everywhere iff it is
+            # counted once per batch row and KV head.
+            counts = torch.bincount(inside, minlength=past_end - start).cpu()
+            everywhere &= counts == positions.shape[0] * positions.shape[1]
+        return (start + (~everywhere).nonzero().flatten()).tolist()
+
+    def _refresh_pinned(self) -> None:
+        # Sessions feed in inference mode, so the buffers may be inference tensors.
+        with torch.inference_mode():
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.pinned.copy_(self.spans.contains(layer.positions))
 
     def stats(self) -> CacheStats:
         capacity = self.policy.capacity

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,21 @@ def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gene
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A span of the conversation's tokens that the cache never evicts."""
+
+    id: int
+    start: int  # absolute token positions [start, end)
+    end: int
+    text: str  # what the tokens decode to (so far, while a pinned message is being fed)
+    fixed: str | None  # why it cannot be unpinned ("system prompt", "story bible"); None: a user pin
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
@@ -104,6 +120,8 @@ class Session:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
+        self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
+        self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans
         # Called after every forward pass, still holding the model lock, with the token
         # list, the span [start, end) of it just fed and the logits of its last token;
         # e.g. a fidelity probe feeding the same tokens to a second cache.
@@ -138,6 +156,110 @@ class Session:
             raise ValueError(f"{what} contains an unpaired surrogate (U+{ord(bad.group()):04X}) at "
                              f"character {bad.start()}: not valid Unicode text")
         return text
+
+    # ---- pinned memory --------------------------------------------------------------------
+
+    def pins(self) -> list[Pin]:
+        """Every span the cache protects, in the order they were pinned: the system prompt
+        or story bible first (``fixed``), then the user's pins."""
+        pins = []
+        for span in dict.fromkeys(self.cache.spans.ranges):  # unique, in order
+            pin_id = self._pin_ids.setdefault(span, len(self._pin_ids) + 1)
+            start, end = span
+            pins.append(Pin(pin_id, start, end, self._decode(self.tokens[start:end]),
+                            self._fixed_pins.get(span)))
+        return pins
+
+    def pin(self, text: str, near: int | None = None) -> Pin:
+        """Pin the tokens of ``text``'s last occurrence in the conversation (the one
+        starting closest to token ``near``, if given), so they are never evicted.
+
+        Matching ignores whitespace, so text copied from the rendered conversation matches
+        however the tokenizer split or merged its spaces; the span is the shortest run of
+        whole tokens that covers the matched characters (it may include a few characters
+        more when ``text`` starts or ends inside a token). Refused, changing nothing, when
+        the cache already evicted any of those tokens from some layer or KV head.
+        """
+        with self._idle("pin"):
+            start, end = self._find(text, near)
+            shown = _short(self._decode(self.tokens[start:end]))
+            if (start, end) in self.cache.spans.ranges:
+                raise ValueError(f"{shown!r} (tokens {start}..{end - 1}) is already pinned")
+            lost = self.cache.evicted(start, end)
+            if lost:
+                raise ValueError(
+                    f"cannot pin {shown!r}: {len(lost)} of its {end - start} tokens were already "
+                    "evicted from the cache, and an evicted token cannot come back. Pin text "
+                    "while the cache still holds it, or tick 'pin' when sending it.")
+            self.cache.protect(start, end)
+            return next(p for p in self.pins() if (p.start, p.end) == (start, end))
+
+    def unpin(self, pin_id: int) -> Pin:
+        """Let the cache evict the pin's tokens again (they compete on the scores they
+        accumulated, so some may go at once). The system prompt and bible stay pinned."""
+        with self._idle("unpin"):
+            pin = next((p for p in self.pins() if p.id == pin_id), None)
+            if pin is None:
+                raise ValueError(f"there is no pin {pin_id}; pins: "
+                                 f"{[p.id for p in self.pins() if not p.fixed]}")
+            if pin.fixed:
+                raise ValueError(f"pin {pin_id} is the {pin.fixed}: it always stays pinned")
+            self.cache.unprotect(pin.start, pin.end)
+            return pin
+
+    @contextmanager
+    def _idle(self, action: str) -> Iterator[None]:
+        """Hold the turn lock: pins change the cache, which a running turn is using."""
+        if not self._turn_lock.acquire(blocking=False):
+            raise RuntimeError(f"cannot {action} while a reply is being generated: stop it first")
+        try:
+            yield
+        finally:
+            self._turn_lock.release()
+
+    def _find(self, text: str, near: int | None) -> tuple[int, int]:
+        """The token span ``[start, end)`` of ``text`` in the conversation (see ``pin``)."""
+        needle = "".join(str(text).split())
+        if not needle:
+            raise ValueError("nothing to pin: the text is empty")
+        firsts, pieces = self._token_pieces()
+        chars, owner = [], []  # the conversation's non-space characters, and their piece
+        for index, piece in enumerate(pieces):
+            for char in piece:
+                if not char.isspace():
+                    chars.append(char)
+                    owner.append(index)
+        haystack = "".join(chars)
+        found, at = [], haystack.find(needle)
+        while at >= 0:
+            found.append(at)
+            at = haystack.find(needle, at + 1)
+        if not found:
+            raise ValueError(f"{_short(text)!r} does not occur in the conversation "
+                             "(whitespace is ignored; case and punctuation must match)")
+        spans = [(firsts[owner[at]], firsts[owner[at + len(needle) - 1] + 1]) for at in found]
+        if near is None:
+            return spans[-1]
+        return min(reversed(spans), key=lambda span: abs(span[0] - near))
+
+    def _token_pieces(self) -> tuple[list[int], list[str]]:
+        """The conversation's text cut at the token boundaries a pin can start or end at:
+        ``firsts[i]`` is the first token of ``pieces[i]``, plus a final entry, the token
+        count. A character whose bytes are split over tokens stays whole in one piece."""
+        singles = self.tokenizer.batch_decode([[t] for t in self.tokens], skip_special_tokens=False,
+                                              clean_up_tokenization_spaces=False)
+        firsts, pieces, group = [], [], 0
+        for index, piece in enumerate(singles):
+            group += 1
+            if group > 1 or piece.endswith("\ufffd"):
+                piece = self._decode(self.tokens[index + 1 - group : index + 1])
+                # UTF-8 needs at most 4 bytes: a longer run is not a split character.
+                if piece.endswith("\ufffd") and group < 4 and index + 1 < len(singles):
+                    continue
+            firsts.append(index + 1 - group)
+            pieces.append(piece)
+            group = 0
+        return firsts + [len(self.tokens)], pieces
 
     # ---- the decode loop ------------------------------------------------------------------
 
@@ -182,19 +304,27 @@ class Session:
 
     def _take_back(self, length: int) -> None:
         """Forget every token from ``length`` on, from the history and the cache."""
+        for span in set(self.cache.spans.ranges) - set(self._fixed_pins):
+            if span[1] > length:  # a pin on the tokens taken back (pinned as sent)
+                self.cache.unprotect(*span)
         if self.fed > length:
             self._rebuild_cache(length)
         del self.tokens[length:]
 
-    def _generate(self, new_tokens: list[int], sampling: Sampling) -> Iterator[str]:
-        """Append ``new_tokens``, then stream the decoded text of up to
-        ``sampling.max_new_tokens`` generated tokens, collected in ``self.reply``
-        (including a final end-of-turn token). Callers hold ``self._turn_lock``."""
+    def _generate(self, new_tokens: list[int], sampling: Sampling,
+                  pin: tuple[int, int] | None = None) -> Iterator[str]:
+        """Append ``new_tokens`` (pinning ``new_tokens[pin[0]:pin[1]]`` if given), then
+        stream the decoded text of up to ``sampling.max_new_tokens`` generated tokens,
+        collected in ``self.reply`` (including a final end-of-turn token). Callers hold
+        ``self._turn_lock``."""
         self._stop.clear()
         length = len(self.tokens)
         self.tokens.extend(new_tokens)
         self.reply = generated = []
         try:
+            if pin is not None:
+                # Not fed yet, so nothing of it can have been evicted: this always works.
+                self.cache.protect(length + pin[0], length + pin[1])
             yield from self._decode_loop(sampling)
         except BaseException:
             if not generated:
@@ -266,28 +396,30 @@ class ChatSession(Session):
             self.tokens = self._encode(self._text)
             if protect_system_prompt:
                 self.cache.protect(0, len(self.tokens))
+                self._fixed_pins[(0, len(self.tokens))] = "system prompt"
         if history:
             # Encoded apart from the system prompt, as turns are, so the protected span
             # covers exactly the system prompt's tokens.
-            self._text, new_tokens = self._render_new(self.messages + history, False)
+            self._text, new_tokens, _ = self._render_new(self.messages + history, False)
             self.tokens += new_tokens
             self.messages += history
 
-    def send(self, text: str, **sampling) -> Iterator[str]:
-        """Add a user message and stream the assistant's reply as text chunks."""
+    def send(self, text: str, pin: bool = False, **sampling) -> Iterator[str]:
+        """Add a user message and stream the assistant's reply as text chunks; ``pin``
+        pins the message's tokens (its content, not the template around it)."""
         if not self._checked_text(text, "the message").strip():
             raise ValueError("message is empty: type something to send")
-        return self._turn(text, Sampling(**sampling))
+        return self._turn(text, Sampling(**sampling), pin)
 
-    def _turn(self, text: str, sampling: Sampling) -> Iterator[str]:
+    def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
-            rendered, new_tokens = self._render_new(messages, True)
+            rendered, new_tokens, contents = self._render_new(messages, True)
             before = (self.messages, self._text)
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._text = rendered
             try:
-                yield from self._generate(new_tokens, sampling)
+                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None)
             except BaseException:
                 if not self.reply:
                     # Failed before the first token and _generate took the tokens back:
@@ -305,9 +437,11 @@ class ChatSession(Session):
         ending = 1 if reply and reply[-1] in self.eos_ids else 0
         self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
 
-    def _render_new(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def _render_new(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool) -> tuple[str, list[int], list[tuple[int, int]]]:
         """Render ``messages`` (the current ones plus new ones) with the chat template and
-        return the text and the tokens of what follows the text already fed.
+        return the text and the tokens of what follows the text already fed, and where
+        each new message's content lies in those tokens.
 
         The new messages' contents are tokenized as plain text, so a message that
         contains the template's control tokens as text (say "<|im_end|>") cannot end a
@@ -330,13 +464,23 @@ class ChatSession(Session):
         if "".join(contents.get(p, p) for p in pieces) != rendered[len(self._text) :]:
             raise RuntimeError("the chat template changes message contents (e.g. trims them); "
                                "cannot tell contents from control tokens")
-        tokens = []
+        tokens, spans = [], []
         for piece in pieces:
-            tokens += self._encode(contents[piece], plain=True) if piece in contents else self._encode(piece)
-        return rendered, tokens
+            if piece in contents:
+                content = self._encode(contents[piece], plain=True)
+                spans.append((len(tokens), len(tokens) + len(content)))
+                tokens += content
+            else:
+                tokens += self._encode(piece)
+        return rendered, tokens, spans
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+def _short(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters for a message."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
@@ -376,18 +520,23 @@ class StorySession(Session):
         self.bible_tokens = len(self.tokens)
         if self.tokens:
             self.cache.protect(0, self.bible_tokens)
+            self._fixed_pins[(0, self.bible_tokens)] = "story bible"
 
     @property
     def text(self) -> str:
         return self._decode(self.tokens[self.bible_tokens :])
 
-    def send(self, text: str = "", **sampling) -> Iterator[str]:
-        """Append ``text`` (may be empty) to the story and stream its continuation."""
+    def send(self, text: str = "", pin: bool = False, **sampling) -> Iterator[str]:
+        """Append ``text`` (may be empty) to the story and stream its continuation;
+        ``pin`` pins ``text``'s tokens."""
         self._checked_text(text, "the new story text")
         if not self.tokens and not text:
             raise ValueError("the story is empty: write a beginning to continue from")
-        return self._turn(text, Sampling(**sampling))
+        if pin and not text:
+            raise ValueError("nothing to pin: no new text to append")
+        return self._turn(text, Sampling(**sampling), pin)
 
-    def _turn(self, text: str, sampling: Sampling) -> Iterator[str]:
+    def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
         with self._turn_lock:
-            yield from self._generate(self._encode(text) if text else [], sampling)
+            new_tokens = self._encode(text) if text else []
+            yield from self._generate(new_tokens, sampling, (0, len(new_tokens)) if pin else None)

@@ -4,8 +4,9 @@ ONE ``ChatSession`` per policy, greedy replies capped at ``max_new_tokens``.
 Turn 0 states a fact (a name and a number); right after it (the baseline: can the model
 answer at all?) and after 10, 20 and 40 further turns, two probes ask for the name and
 for the number. A probe runs on a deep copy of the session's cache, so it never changes
-the conversation the other numbers come from. "Protected" runs pin the whole first user turn
-with ``cache.protect`` (the system prompt is protected in every run, the app's default).
+the conversation the other numbers come from. "Protected" runs pin the fact message as it is
+sent (``session.send(FACT, pin=True)``: its content's tokens, not the template around it); the
+system prompt is protected in every run, the app's default.
 
 Recorded after every turn: slots held, KV bytes (allocated and in use), tokens seen, and
 the turn's wall time (prefill + decode).
@@ -37,14 +38,6 @@ def recalled(kind: str, answer: str) -> bool:
     return "4817" in answer
 
 
-def _new_turn_tokens(session: ChatSession, text: str) -> int:
-    """How many tokens the session will append for user message ``text`` (its own rule)."""
-    tok = session.tokenizer
-    rendered = tok.apply_chat_template(session.messages + [{"role": "user", "content": text}],
-                                       tokenize=False, add_generation_prompt=True)
-    return len(tok(rendered[len(session._text):], add_special_tokens=False).input_ids)
-
-
 def probe(session: ChatSession, question: str, max_new_tokens: int = 24) -> str:
     """Greedy answer to ``question`` from a copy of the session's state."""
     tok, model = session.tokenizer, session.model
@@ -73,11 +66,9 @@ def chat_run(model, tokenizer, label: str, cache, user_turns: list[str], max_new
     turns, probes = [], []
     budget = None
     for turn, text in enumerate([FACT] + user_turns):
-        if turn == 0 and protect_fact:
-            start = len(session.tokens)
-            session.cache.protect(start, start + _new_turn_tokens(session, text))
         started = time.perf_counter()
-        reply = "".join(session.send(text, max_new_tokens=max_new_tokens, temperature=0))
+        reply = "".join(session.send(text, pin=protect_fact and turn == 0, max_new_tokens=max_new_tokens,
+                                     temperature=0))
         seconds = time.perf_counter() - started
         stats = session.cache.stats()
         budget = stats.budget
@@ -123,7 +114,8 @@ def run(model, tokenizer, n_questions: int, max_new_tokens: int, budget: int = 5
         f"{len(questions)} MT-Bench questions x 2 turns after a fact turn = {len(user_turns) + 1} turns per "
         f"session; greedy replies of at most {max_new_tokens} tokens; budget {budget} slots "
         f"(h2o: sink {sink}, heavy {heavy}, recent {recent}; sink: {sink} + {budget - sink}; recent: {budget}); "
-        "the system prompt is protected (pinned) in every run, adding its tokens to the slots held.",
+        "the system prompt is protected (pinned) in every run, adding its tokens to the slots held; "
+        "\"fact protected\" also pins the fact message's tokens (session.send(..., pin=True)).",
         f"Recall probes: turn 0 says \"{FACT}\"; after turns {', '.join(map(str, PROBE_AFTER))} a copy of the "
         f"session is asked \"{PROBES['name']}\" (name: the answer contains Marisol or Quentaro) and "
         f"\"{PROBES['code']}\" (code: it contains 4817). After turn 0 is the baseline: what the model "

@@ -11,6 +11,7 @@ from h2o_chat.session import ChatSession
 
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
+from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
@@ -45,7 +46,8 @@ class ChatState(ViewState):
     def rebuild(self, history: list[dict[str, str]]) -> None:
         """Go back in time: a fresh cache on ``history``, fed on the next send (an
         evicting cache cannot un-see the turns after it)."""
-        self.session = self._new_session(history)
+        old, self.session = self.session, self._new_session(history)
+        carry_pins(old, self.session)
         self.forget_snapshot()
 
 
@@ -83,6 +85,7 @@ class ChatTab:
                 with gr.Row():
                     self.text = gr.Textbox(placeholder="Type a message, Enter to send",
                                            show_label=False, scale=5, elem_id="chat-input")
+                    self.pin_message = pin_message_checkbox("chat")
                     self.send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                 with gr.Row():
                     self.stop = gr.Button("Stop", elem_id="chat-stop")
@@ -95,13 +98,15 @@ class ChatTab:
                 self.system_prompt = gr.Textbox(
                     config.generation.system_prompt, lines=3, elem_id="system-prompt",
                     label="System prompt (applies to the next new chat; kept out of eviction)")
+                self.pins = PinPanel("chat")
         self.map = MapPanel("chat")
         self._wire()
 
     def _wire(self) -> None:
-        turn_inputs = {self.state, self.text, self.system_prompt, self.map.live,
+        turn_inputs = {self.state, self.text, self.system_prompt, self.map.live, self.pin_message,
                        *self.settings.components, *self.map.pickers}
-        outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs]
+        outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
+                   self.pin_message, *self.pins.outputs]
         gr.on([self.text.submit, self.send.click], self._on_send, turn_inputs, outputs,
               **generating(self.server))
         gr.on([self.regenerate.click, self.chatbot.retry], self._on_regenerate, turn_inputs,
@@ -113,6 +118,8 @@ class ChatTab:
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
         self.map.wire(self.state)
+        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+                       {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def _on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
@@ -168,15 +175,16 @@ class ChatTab:
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [],
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
-                **{output: "" for output in self.map.outputs}}
+                **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
         try:
-            stream = state.session.send(text, **self.settings.sampling(values))
+            stream = state.session.send(text, pin=bool(values[self.pin_message]),
+                                        **self.settings.sampling(values))
         except ValueError as err:
             raise gr.Error(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
-        yield {self.state: state, self.chatbot: shown, self.text: ""}
+        yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False}
         yield from stream_turn(
             stream,
             show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": reply}]},
@@ -186,4 +194,5 @@ class ChatTab:
         )
 
     def _views(self, values: dict, state: ChatState, final: bool) -> dict:
-        return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final)
+        pins = self.pins.render(state.session) if final else {}
+        return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins

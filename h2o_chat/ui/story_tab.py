@@ -12,6 +12,7 @@ from h2o_chat.session import StorySession
 
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
+from .pin_panel import PinPanel
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
@@ -79,11 +80,12 @@ class StoryTab:
                     "and the start is unchanged, only the new part is read; otherwise (or if "
                     "the bible changes) the story is read again into a fresh cache. The bible "
                     "is pinned, so the model can refer to it however long the story gets.")
+                self.pins = PinPanel("story")
         self.map = MapPanel("story")
         self._wire()
 
     def _wire(self) -> None:
-        outputs = [self.state, self.story, self.gauge, *self.map.outputs]
+        outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
         self.go.click(
             self._on_continue,
             {self.state, self.bible, self.story, self.tokens, self.map.live,
@@ -93,6 +95,8 @@ class StoryTab:
                         show_progress="hidden")
         self.new.click(self._on_new, {self.state, *self.settings.components}, outputs)
         self.map.wire(self.state)
+        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+                       {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def _on_continue(self, values: dict) -> Iterator[dict]:
         bible, story = values[self.bible], values[self.story]
@@ -116,8 +120,7 @@ class StoryTab:
             yield from stream_turn(
                 stream,
                 show=lambda added: {self.story: story + added},
-                views=lambda final: gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state,
-                                                  values, final),
+                views=lambda final: self._views(values, state, final),
                 final=lambda: {self.story: state.session.text},
                 closed=lambda: state.closed,
             )
@@ -126,4 +129,8 @@ class StoryTab:
         close_state(values[self.state])
         return {self.state: None, self.story: "",
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
-                **{output: "" for output in self.map.outputs}}
+                **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
+
+    def _views(self, values: dict, state: StoryState, final: bool) -> dict:
+        pins = self.pins.render(state.session) if final else {}
+        return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins
