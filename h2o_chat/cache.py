@@ -395,10 +395,11 @@ class H2OCache(Cache):
         )
 
 
-def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int) -> H2OCache:
+def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int | str) -> H2OCache:
     """A fresh cache for ``model`` under ``policy`` (full, h2o, recent, sink).
 
-    ``budgets`` are ``heavy``, ``recent`` and ``sink`` slot counts. ``rolling`` places
+    ``budgets`` are ``heavy``, ``recent`` and ``sink`` slot counts, and for h2o optionally
+    ``score_norm`` ("sum" or "mean", see ``H2OPolicy``). ``rolling`` places
     cached tokens at their rank in the cache rather than their absolute position (see
     ``H2OLayer``), for conversations longer than the model's trained context. The model
     must use the registered ``h2o`` attention (``load_model`` sets it), which feeds the
@@ -413,9 +414,9 @@ def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int
             f"{ATTENTION_NAME!r}: load it with h2o_chat.load_model or call "
             f"register_h2o_attention() and model.set_attn_implementation({ATTENTION_NAME!r})"
         )
-    unknown = set(budgets) - {"heavy", "recent", "sink"}
+    unknown = set(budgets) - {"heavy", "recent", "sink", "score_norm"}
     if unknown:
-        raise TypeError(f"unknown budget(s) {sorted(unknown)}; allowed: heavy, recent, sink")
+        raise TypeError(f"unknown budget(s) {sorted(unknown)}; allowed: heavy, recent, sink, score_norm")
     chosen = make_policy(policy, **budgets)
     context = getattr(config, "max_position_embeddings", None)
     if chosen.capacity is not None and context and chosen.capacity > context:

@@ -37,6 +37,8 @@ class CacheConfig:
     heavy: int = 128
     recent: int = 128
     sink: int = 4
+    # h2o ranking: "sum" of attention received (the paper) or its "mean" per query.
+    score_norm: str = "sum"
     prefill_chunk_size: int = 256
     # Place cached tokens at their rank in the cache instead of their absolute position,
     # so a conversation can outgrow the model's trained context.
@@ -131,6 +133,7 @@ _RULES: dict[str, _Rule] = {
     "cache.heavy": _int_at_least(0),
     "cache.recent": _int_at_least(0),
     "cache.sink": _int_at_least(0),
+    "cache.score_norm": _choice("sum", "mean"),
     "cache.prefill_chunk_size": _int_at_least(1),
     "generation.max_new_tokens": _int_between(1, 32768),
     "generation.temperature": _Rule(

@@ -18,8 +18,9 @@ REFERENCE_NAME = "h2o_reference"
 class ReferenceRule:
     """State of the rule: alive flags and accumulated scores, per layer."""
 
-    def __init__(self, heavy: int, recent: int, sink: int, protected: tuple[int, int] | None = None):
-        self.heavy, self.recent, self.sink = heavy, recent, sink
+    def __init__(self, heavy: int, recent: int, sink: int, protected: tuple[int, int] | None = None,
+                 norm: str = "sum"):
+        self.heavy, self.recent, self.sink, self.norm = heavy, recent, sink, norm
         self.protected = protected
         self.alive: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) bool
         self.score: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) float32
@@ -74,7 +75,12 @@ class ReferenceRule:
                     continue
                 keep = set(candidates[: self.sink]) | set(candidates[len(candidates) - self.recent :])
                 middle = candidates[self.sink : len(candidates) - self.recent]
-                by_score = sorted(middle, key=lambda p: (-float(score[b, h, p]), p))
+                seen = alive.shape[-1]  # position p has had the queries of p .. seen - 1
+
+                def rank(p: int) -> float:
+                    return float(score[b, h, p]) / ((seen - p) if self.norm == "mean" else 1)
+
+                by_score = sorted(middle, key=lambda p: (-rank(p), p))
                 keep |= set(by_score[: self.heavy])
                 for p in candidates:
                     if p not in keep:

@@ -84,7 +84,7 @@ def test_unknown_key_names_it_and_lists_allowed(tmp_path):
     err = error_for(tmp_path, "cache:\n  heavvy: 3\n")
     assert err.field == "cache.heavvy"
     assert "cache.heavvy: unknown key" in str(err)
-    assert "allowed: policy, heavy, recent, sink, prefill_chunk_size" in str(err)
+    assert "allowed: policy, heavy, recent, sink, score_norm, prefill_chunk_size" in str(err)
     assert "did you mean 'heavy'" in str(err)
 
 

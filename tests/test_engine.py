@@ -18,13 +18,14 @@ def feed(model, cache, ids, chunk):
         )
 
 
-def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None):
+def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None,
+                             score_norm="sum"):
     """Prefill ``prompt`` in chunks, then decode greedily for ``steps`` tokens with the
     engine, feeding the reference the same tokens. Returns both logits and the caches."""
-    cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink)
+    cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink, score_norm=score_norm)
     if protected:
         cache.protect(*protected)
-    rule = ReferenceRule(heavy, recent, sink, protected)
+    rule = ReferenceRule(heavy, recent, sink, protected, norm=score_norm)
     reference_cache = DynamicCache(config=model.config)
     engine_logits = [feed(model, cache, prompt, chunk)]
     model.set_attn_implementation(REFERENCE_NAME)
@@ -60,6 +61,20 @@ def test_tiny_model_matches_reference_rule(tiny_model, chunk):
     torch.testing.assert_close(engine, reference, rtol=1e-4, atol=1e-4)
     assert_same_positions(cache, rule)
     assert cache.stats().held == 18 and cache.stats().seen == 150
+
+
+@pytest.mark.parametrize("chunk", [1, 16])
+def test_mean_score_norm_matches_the_reference_and_changes_the_choice(tiny_model, chunk):
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 128, (1, 90))
+    runs = {norm: run_engine_and_reference(tiny_model, prompt, steps=40, chunk=chunk, heavy=10,
+                                           recent=6, sink=2, score_norm=norm)
+            for norm in ("sum", "mean")}
+    engine, reference, cache, rule = runs["mean"]
+    torch.testing.assert_close(engine, reference, rtol=1e-4, atol=1e-4)
+    assert_same_positions(cache, rule)
+    kept = {norm: [layer.positions.tolist() for layer in run[2].stats().layers] for norm, run in runs.items()}
+    assert kept["mean"] != kept["sum"]
 
 
 def test_batch_rows_and_heads_evict_independently(tiny_model):

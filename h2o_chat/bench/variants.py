@@ -3,10 +3,9 @@
 ``Variant`` describes one eviction rule: the stock ones (h2o = the paper's rule, recent,
 sink) and H2O with a score normalisation:
 
-- ``norm="sum"``: raw accumulated attention (the paper; identical to ``H2OPolicy``),
+- ``norm="sum"``: raw accumulated attention (the paper's rule, ``H2OPolicy``'s default),
 - ``norm="mean"``: accumulated attention divided by the number of queries the slot has
-  received, ``seen - position`` (from the slot positions the engine passes to ``keep``;
-  ``seen`` is the newest position + 1),
+  received (``H2OPolicy(norm="mean")``, also ``cache.score_norm: mean`` in the config),
 - ``decay=g < 1``: exponentially decayed sum, ``score <- g * score + received`` at every
   attention call (the engine has no hook where scores accumulate: ``BenchLayer`` adds one).
 
@@ -19,11 +18,13 @@ All variants of a ``MixedPolicy`` must have the same capacity (slot budget).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 
 from h2o_chat.cache import H2OCache, H2OLayer
-from h2o_chat.policies import EvictionPolicy, window_indices
+from h2o_chat.config import check_field
+from h2o_chat.policies import EvictionPolicy, H2OPolicy, make_policy
 from h2o_chat.rope import RopeShifter
 
 
@@ -40,8 +41,7 @@ class Variant:
     def __post_init__(self) -> None:
         if self.kind not in ("h2o", "recent", "sink"):
             raise ValueError(f"variant kind {self.kind!r}: must be h2o, recent or sink")
-        if self.norm not in ("sum", "mean"):
-            raise ValueError(f"variant norm {self.norm!r}: must be sum or mean")
+        check_field("cache.score_norm", self.norm)
         if not 0 < self.decay <= 1:
             raise ValueError(f"variant decay {self.decay}: must be in (0, 1]")
         if self.capacity < 1:
@@ -62,26 +62,16 @@ class Variant:
     def describe(self) -> dict:
         return asdict(self)
 
+    @cached_property
+    def policy(self) -> EvictionPolicy:
+        """The engine's policy for this rule (decay aside, which ``BenchLayer`` applies)."""
+        if self.kind == "h2o":
+            return H2OPolicy(heavy=self.heavy, recent=self.recent, sink=self.sink, norm=self.norm)
+        return make_policy(self.kind, recent=self.recent, sink=self.sink)
+
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Indices to keep, ascending: ``(capacity,)`` or shaped like ``scores[..., :capacity]``.
-        ``scores``/``positions`` are ``(batch, kv_heads, n)``, oldest first (the engine's
-        ``EvictionPolicy.keep`` contract)."""
-        n = scores.shape[-1]
-        if self.kind == "recent":
-            return window_indices(n, 0, self.recent, scores.device)
-        if self.kind == "sink":
-            return window_indices(n, self.sink, self.recent, scores.device)
-        ranked = scores
-        if self.norm == "mean":
-            # Queries a slot has received: every token from its own to the newest one.
-            seen = positions.amax(dim=-1, keepdim=True) + 1
-            ranked = scores / (seen - positions).clamp(min=1).to(scores.dtype)
-        window = window_indices(n, self.sink, self.recent, scores.device).expand(*scores.shape[:-1], -1)
-        middle = ranked[..., self.sink : n - self.recent]
-        # Stable sort as in H2OPolicy: ties keep the older slot.
-        order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
-        heavy = order[..., : self.heavy] + self.sink
-        return torch.cat([window, heavy], dim=-1).sort(dim=-1).values
+        """The policy's choice, ascending (the engine's ``EvictionPolicy.keep`` contract)."""
+        return self.policy.keep(scores, positions).sort(dim=-1).values
 
 
 def h2o_split(label: str, budget: int, heavy_share: float = 0.5, sink: int = 0, **kw) -> Variant:

@@ -79,7 +79,7 @@ def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
     """A cache for ``model``; gr.Error if the budget does not fit the model's context."""
     try:
         return make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
-                          recent=cache.recent, sink=cache.sink)
+                          recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm)
     except ConfigError as err:
         raise gr.Error(str(err)) from None
 
