@@ -244,7 +244,13 @@ class H2OLayer(CacheLayerMixin):
         size = self._buffers["keys"].shape[2]
         if slots <= size:
             return
-        size = slots if self.policy.capacity is not None else max(slots, 2 * size)
+        # Geometric growth: a cache below its budget would otherwise reallocate and copy
+        # every buffer at every token. A bounded one stops at its peak: budget, pinned
+        # slots and the incoming tokens.
+        size = max(slots, 2 * size)
+        if self.policy.capacity is not None:
+            peak = self.policy.capacity + int(self.pinned[0, 0].sum()) + slots - self.held
+            size = max(slots, min(size, peak))
 
         def grow(t: torch.Tensor) -> torch.Tensor:
             bigger = t.new_zeros((*t.shape[:2], size, *t.shape[3:]))

@@ -119,17 +119,23 @@ class H2OPolicy(EvictionPolicy):
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = scores.shape[-1]
-        window = window_indices(n, self.sink, self.recent, scores.device)
-        window = window.expand(*scores.shape[:-1], -1)
         if self.norm == "mean":
             seen = positions.amax(dim=-1, keepdim=True) + 1
             scores = scores / (seen - positions).clamp(min=1).to(scores.dtype)
         middle = scores[..., self.sink : n - self.recent]
+        if n == self.capacity + 1:
+            # One slot over budget, as at every decode step: drop the lowest-ranked middle
+            # slot, the newest of equals (what the stable sort below drops), without
+            # sorting. The flip makes argmin, which returns the first minimum, find the last.
+            drop = self.sink + middle.shape[-1] - 1 - middle.flip(-1).argmin(dim=-1, keepdim=True)
+            kept = torch.arange(n - 1, device=scores.device).expand(*scores.shape[:-1], -1)
+            return kept + (kept >= drop)
         # A stable sort makes ties (e.g. slots that never received attention) keep the
         # older slot, so the choice is deterministic and matches the reference rule.
         order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
         heavy = order[..., : self.heavy] + self.sink
-        return torch.cat([window, heavy], dim=-1)
+        window = window_indices(n, self.sink, self.recent, scores.device)
+        return torch.cat([window.expand(*scores.shape[:-1], -1), heavy], dim=-1)
 
     def describe(self) -> dict[str, int | str]:
         described = {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}

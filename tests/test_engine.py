@@ -251,3 +251,21 @@ def test_make_cache_rejects_bad_arguments(tiny_model):
         make_cache(tiny_model, "h2o", heavy=-1, recent=4)
     with pytest.raises(TypeError, match="unknown budget"):
         make_cache(tiny_model, "h2o", heavvy=4)
+
+
+def test_one_slot_over_budget_drops_what_the_full_sort_drops():
+    """The decode fast path (no sort) against the general rule on scores full of ties:
+    the lowest-scored middle slot goes, the newest of equals."""
+    from h2o_chat.policies import H2OPolicy
+
+    torch.manual_seed(4)
+    policy = H2OPolicy(heavy=5, recent=3, sink=2)
+    for _ in range(50):
+        scores = torch.randint(0, 3, (2, 3, 11)).float()  # n = capacity + 1, many ties
+        positions = torch.arange(11).expand(2, 3, -1)
+        kept = policy.keep(scores, positions)
+        for b in range(2):
+            for h in range(3):
+                middle = list(range(2, 8))
+                ranked = sorted(middle, key=lambda p: (-float(scores[b, h, p]), p))
+                assert kept[b, h].tolist() == sorted(set(range(11)) - {ranked[-1]})
