@@ -12,6 +12,7 @@ absolute positions, so stats and tests can say exactly which tokens are kept.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 
@@ -272,6 +273,69 @@ class H2OLayer(CacheLayerMixin):
         """Bytes of every buffer this layer holds, including room reserved for new tokens."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
+    # ---- saving and resuming ----------------------------------------------------------------
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int | bool]]:
+        """The held slots of every buffer (on the CPU, in slot order) and the counters a
+        fresh layer needs to continue exactly like this one (see ``load_state``)."""
+        info = {"initialized": self.is_initialized, "seen": self.seen, "held": self.held,
+                "size": self._buffers["keys"].shape[2] if self.is_initialized else 0,
+                "has_padding": self.has_padding}
+        tensors = {name: view.detach().cpu().contiguous()
+                   for name in self._buffers if (view := getattr(self, name)) is not None}
+        return tensors, info
+
+    def check_state(self, tensors: dict[str, torch.Tensor], info: dict, where: str) -> None:
+        """Raise ValueError naming ``where`` if ``load_state`` could not take this state."""
+        counters = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
+        for key, kind in counters.items():
+            if type(info.get(key)) is not kind:
+                raise ValueError(f"{where}: {key} = {info.get(key)!r} must be {kind.__name__}")
+        if not info["initialized"]:
+            if tensors or info["seen"] or info["held"]:
+                raise ValueError(f"{where}: an empty layer must hold no tokens")
+            return
+        names = {"keys", "values", "scores", "positions", "valid", "pinned"}
+        if self.rope is not None:
+            names.add("rotated_at")
+        if set(tensors) != names:
+            raise ValueError(f"{where}: tensors {sorted(tensors)}, expected {sorted(names)}")
+        held, size, seen = info["held"], info["size"], info["seen"]
+        if not 0 <= held <= min(size, seen):
+            raise ValueError(f"{where}: held = {held} must be within 0..min(size {size}, seen {seen})")
+        keys = tensors["keys"]
+        if keys.dim() != 4 or keys.shape[2] != held or tensors["values"].shape[:3] != keys.shape[:3]:
+            raise ValueError(f"{where}: keys/values of shape {tuple(keys.shape)}/"
+                             f"{tuple(tensors['values'].shape)} do not hold {held} slots")
+        kinds = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool,
+                 "pinned": torch.bool, "rotated_at": torch.long}
+        for name in names - {"keys", "values"}:
+            t = tensors[name]
+            if t.shape != keys.shape[:3] or t.dtype != kinds[name]:
+                raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected "
+                                 f"{kinds[name]} {tuple(keys.shape[:3])}")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], info: dict, device: torch.device | str) -> None:
+        """Become the layer ``export_state`` described, on ``device``. Buffers get their
+        saved size and slot order, so attention sees the same memory layout and the next
+        logits are bit-identical; scores come back too, so later evictions match."""
+        self.reset()
+        if not info["initialized"]:
+            return
+        keys = tensors["keys"]
+        self.dtype, self.device = keys.dtype, torch.device(device)
+        held = self.held = info["held"]
+
+        def allocate(t: torch.Tensor) -> torch.Tensor:
+            buffer = t.new_zeros((*t.shape[:2], info["size"], *t.shape[3:]), device=self.device)
+            buffer[:, :, :held] = t
+            return buffer
+
+        self._buffers = {name: allocate(t) for name, t in tensors.items()}
+        self.seen, self.has_padding = info["seen"], info["has_padding"]
+        self._refresh_views()
+        self.is_initialized = True
+
 
 @dataclass
 class LayerStats:
@@ -399,6 +463,60 @@ class H2OCache(Cache):
             held_bytes=held_bytes,
             layers=layers,
         )
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a fresh cache needs to continue exactly where this one is: tensors named
+        ``layers.<i>.<buffer>`` (CPU, held slots only) and a JSON-able dict of the policy,
+        rolling, protected spans and per-layer counters. Load it with ``load_state``."""
+        tensors: dict[str, torch.Tensor] = {}
+        layers = []
+        for index, layer in enumerate(self.layers):
+            layer_tensors, info = layer.export_state()
+            tensors |= {f"layers.{index}.{name}": t for name, t in layer_tensors.items()}
+            layers.append(info)
+        info = {"settings": self.settings(), "protected": [list(span) for span in self.spans.ranges],
+                "layers": layers}
+        return tensors, info
+
+    def settings(self) -> dict[str, int | str | bool]:
+        """Policy, budgets and rolling: what a saved state must match to be loaded."""
+        return self.policy.describe() | {"rolling": self.rolling}
+
+    def check_settings(self, saved: dict, source: str = "the saved state") -> None:
+        """ValueError naming the first setting where ``saved`` differs from this cache's."""
+        ours = self.settings()
+        for key in ["policy", *sorted((set(ours) | set(saved)) - {"policy"})]:
+            if ours.get(key) != saved.get(key):
+                raise ValueError(f"cache.{key} = {saved.get(key)!r} in {source}, "
+                                 f"{ours.get(key)!r} in this cache")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], info: dict, device: torch.device | str = "cpu") -> None:
+        """Replace everything this cache holds with a ``state()``, onto ``device``.
+
+        The state must come from a cache with the same ``settings()`` (else ValueError
+        naming the setting, the state's value and this cache's); everything is checked before anything changes, so a refused state leaves this
+        cache as it was.
+        """
+        self.check_settings(info["settings"])
+        if len(info["layers"]) != len(self.layers):
+            raise ValueError(f"the saved state has {len(info['layers'])} layers, this cache {len(self.layers)}")
+        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        for name, t in tensors.items():
+            match = re.fullmatch(r"layers\.(\d+)\.(\w+)", name)
+            if match is None or int(match[1]) >= len(self.layers):
+                raise ValueError(f"unexpected tensor {name!r} in the saved state")
+            per_layer[int(match[1])][match[2]] = t
+        for index, layer in enumerate(self.layers):
+            layer.check_state(per_layer[index], info["layers"][index], f"layer {index}")
+        seen = {layer_info["seen"] for layer_info in info["layers"]}
+        if len(seen) != 1:
+            raise ValueError(f"the saved layers have seen different token counts {sorted(seen)}")
+        spans = [(start, end) for start, end in info["protected"]]
+        if not all(type(x) is int and x >= 0 for span in spans for x in span):
+            raise ValueError(f"protected spans {info['protected']!r} must be pairs of integers >= 0")
+        for index, layer in enumerate(self.layers):
+            layer.load_state(per_layer[index], info["layers"][index], device)
+        self.spans.ranges[:] = spans  # in place: the layers share this object
 
 
 def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int | str) -> H2OCache:

@@ -9,6 +9,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import ChatSession
 
+from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
@@ -98,6 +99,7 @@ class ChatTab:
                 self.system_prompt = gr.Textbox(
                     config.generation.system_prompt, lines=3, elem_id="system-prompt",
                     label="System prompt (applies to the next new chat; kept out of eviction)")
+                self.files = ChatFiles()
                 self.pins = PinPanel("chat")
         self.map = MapPanel("chat")
         self._wire()
@@ -118,6 +120,7 @@ class ChatTab:
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
         self.map.wire(self.state)
+        self.files.wire(self, ChatState, GAUGE_LABEL)
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 

@@ -10,6 +10,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import StorySession
 
+from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel
@@ -80,6 +81,7 @@ class StoryTab:
                     "and the start is unchanged, only the new part is read; otherwise (or if "
                     "the bible changes) the story is read again into a fresh cache. The bible "
                     "is pinned, so the model can refer to it however long the story gets.")
+                self.files = StoryFiles()
                 self.pins = PinPanel("story")
         self.map = MapPanel("story")
         self._wire()
@@ -95,6 +97,7 @@ class StoryTab:
                         show_progress="hidden")
         self.new.click(self._on_new, {self.state, *self.settings.components}, outputs)
         self.map.wire(self.state)
+        self.files.wire(self, StoryState, GAUGE_LABEL)
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 

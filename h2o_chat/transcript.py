@@ -1,0 +1,85 @@
+"""A chat conversation as a file: JSON to export and import back, Markdown to read.
+
+Only the text travels (system prompt and user/assistant messages), not the cache: an
+imported conversation is a fresh ``ChatSession`` whose history is read again on the next
+send. ``snapshot.py`` saves a session with its cache.
+
+JSON layout, version 1::
+
+    {"format": "h2o-chat/conversation", "version": 1,
+     "system_prompt": "..." or null,
+     "messages": [{"role": "user" | "assistant", "content": "..."}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .session import ChatSession, _checked_message
+
+FORMAT = "h2o-chat/conversation"
+VERSION = 1
+
+
+class TranscriptError(ValueError):
+    """A conversation file that cannot be imported; the message says why."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system_prompt: str | None
+    messages: list[dict[str, str]]  # user/assistant only
+
+    @classmethod
+    def of(cls, session: ChatSession) -> Conversation:
+        system = [m["content"] for m in session.messages if m["role"] == "system"]
+        return cls(system[0] if system else None,
+                   [dict(m) for m in session.messages if m["role"] != "system"])
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "version": VERSION, "system_prompt": self.system_prompt,
+                           "messages": self.messages}, ensure_ascii=False, indent=2)
+
+    def to_markdown(self) -> str:
+        parts = ["# Conversation"]
+        if self.system_prompt:
+            parts.append(f"**System prompt:** {self.system_prompt}")
+        for message in self.messages:
+            parts += [f"## {message['role'].capitalize()}", message["content"]]
+        return "\n\n".join(parts) + "\n"
+
+    def session(self, model, tokenizer, **kwargs) -> ChatSession:
+        """A chat that continues this conversation (``kwargs`` as for ``ChatSession``)."""
+        return ChatSession(model, tokenizer, system_prompt=self.system_prompt,
+                           history=self.messages, **kwargs)
+
+
+def read_conversation(data: str | bytes) -> Conversation:
+    """Parse an exported conversation; TranscriptError if it is not one this app wrote."""
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TranscriptError(f"not a conversation file: invalid JSON ({err})") from None
+    if not isinstance(document, Mapping) or document.get("format") != FORMAT:
+        raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
+    version = document.get("version")
+    if version != VERSION:
+        raise TranscriptError(f"unknown conversation file version {version!r} "
+                              f"(this app reads version {VERSION})")
+    system_prompt = document.get("system_prompt")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null")
+    messages = document.get("messages")
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise TranscriptError(f"messages = {messages!r}: must be a list of messages")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TranscriptError(f"messages[{index}] = {message!r}: must be an object with role and content")
+        try:
+            checked.append(_checked_message(index, message))
+        except ValueError as err:  # the rule ChatSession applies to its history
+            raise TranscriptError(f"conversation file: {err}") from None
+    return Conversation(system_prompt, checked)

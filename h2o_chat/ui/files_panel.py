@@ -1,0 +1,226 @@
+"""The "Save / load" accordion of the chat and story views.
+
+Chat: download the conversation (JSON, Markdown), import a conversation (JSON; a fresh
+cache reads it on the next send), save the session with its cache and resume one. Story:
+save and resume. The files are ``h2o_chat.transcript`` and ``h2o_chat.snapshot``'s; a
+refused file shows a warning and an error line, and the view keeps its session.
+
+The views build a panel inside their layout and call ``wire`` with their components;
+the view's state class comes in as an argument, so this module does not import the
+views.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
+from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
+
+from .map_panel import gauge_and_map
+from .settings import new_cache
+from .view_state import ViewState, close_state, wait_for_model
+
+# Uploads larger than these are refused before they are read. A session of the default
+# budget (260 slots + the system prompt) takes about 13 MB, a full cache of 8k tokens
+# about 390 MB.
+MAX_CONVERSATION_BYTES = 5 * 1024**2
+MAX_SESSION_BYTES = 512 * 1024**2
+
+# Files offered for download; Gradio serves them from its own copy, and the folder goes
+# when the app exits.
+_EXPORTS = tempfile.TemporaryDirectory(prefix="h2o-chat-files-")
+
+
+class Refused(Exception):
+    """A file the view does not take; the message is shown to the user."""
+
+
+def export_path(kind: str, suffix: str) -> Path:
+    """A new file path for a download, named after the view and the time."""
+    folder = tempfile.mkdtemp(dir=_EXPORTS.name)
+    return Path(folder) / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}"
+
+
+def checked_upload(path: str | None, limit: int) -> Path:
+    if not path:
+        raise Refused("no file was uploaded")
+    size = os.path.getsize(path)
+    if size > limit:
+        raise Refused(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
+    return Path(path)
+
+
+class FilesPanel:
+    """What both views share: the accordion, save and resume. ``kind`` is the session
+    kind ("chat" or "story"), also the prefix of the element ids."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        with gr.Accordion("Save / load", open=False, elem_id=f"{kind}-files"):
+            self._build()
+            self.save = gr.Button("Save session (with its cache)", elem_id=f"{kind}-save-session")
+            self.resume = gr.UploadButton("Resume session…", file_types=[".zip"],
+                                          elem_id=f"{kind}-resume-session")
+            self.download = gr.File(label="Download", interactive=False,
+                                    elem_id=f"{kind}-download")
+            self.status = gr.Markdown(elem_id=f"{kind}-files-status")
+            gr.Markdown(f"A session file (`*{SUFFIX}`) holds the {kind} and its compressed "
+                        "cache: resuming it continues exactly where it was saved. It needs the "
+                        "same model and the same cache settings.")
+
+    def _build(self) -> None:
+        """The view's own controls, above save and resume."""
+
+    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
+        """Connect to ``tab``'s state, settings, gauge and map; ``state_type`` builds the
+        view's per-browser state."""
+        self.tab, self.state_type, self.gauge_label = tab, state_type, gauge_label
+        self.save.click(self._on_save, {tab.state}, [self.download, self.status])
+        self.view_inputs = {tab.state, tab.map.live, *tab.settings.components, *tab.map.pickers}
+        self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, self.status]
+        self.resume.upload(self._on_resume, {self.resume, *self.view_inputs},
+                           self.view_outputs + self._session_outputs())
+
+    # ---- handlers -------------------------------------------------------------------------
+
+    def _on_save(self, values: dict) -> dict:
+        state = values[self.tab.state]
+        if state is None:
+            return self._refused(f"nothing to save yet: start a {self.kind} first", "Not saved")
+        with state.running():
+            path = save_session(state.session, export_path(self.kind, SUFFIX))
+            stats = state.session.stats()
+        return {self.download: str(path),
+                self.status: f"Saved {stats.tokens} tokens with {stats.cache.held} cache slots "
+                             f"per layer and head ({path.stat().st_size / 1024**2:.1f} MB)."}
+
+    def _on_resume(self, values: dict) -> dict:
+        try:
+            path = checked_upload(values[self.resume], MAX_SESSION_BYTES)
+            loaded = wait_for_model(self.tab.provider)
+            cache = self.tab.settings.cache(values)
+            limit = self.tab.server.max_message_chars
+            session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
+                                   kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
+                                   max_message_chars=limit)
+        except (Refused, SnapshotError) as err:
+            return self._refused(str(err))
+        state = self._new_state(loaded, cache, session)
+        state.session = session
+        close_state(values[self.tab.state])
+        stats = session.stats()
+        return ({self.tab.state: state,
+                 self.status: f"Resumed: {stats.tokens} tokens, {stats.cache.held} cache slots."}
+                | self._shown(state) | self._views(values, state))
+
+    # ---- what the views fill in -----------------------------------------------------------
+
+    def _session_outputs(self) -> list:
+        """The view's components that show a session (besides gauge and map)."""
+        raise NotImplementedError
+
+    def _new_state(self, loaded, cache, session) -> ViewState:
+        """The view's state for a resumed ``session`` (replaced into it afterwards)."""
+        raise NotImplementedError
+
+    def _shown(self, state: ViewState) -> dict:
+        """Updates of ``_session_outputs`` showing ``state``."""
+        raise NotImplementedError
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _views(self, values: dict, state: ViewState) -> dict:
+        return gauge_and_map(self.tab.gauge, self.gauge_label, self.tab.map, state, values, True)
+
+    def _refused(self, message: str, outcome: str = "Not loaded") -> dict:
+        """Tell the user, change nothing else (the view keeps its session)."""
+        gr.Warning(html.escape(message))
+        return {self.status: f"**{outcome}:** {message}"}
+
+
+class ChatFiles(FilesPanel):
+    def __init__(self) -> None:
+        super().__init__("chat")
+
+    def _build(self) -> None:
+        with gr.Row():
+            self.export_json = gr.Button("Conversation as JSON", elem_id="chat-export-json")
+            self.export_markdown = gr.Button("Conversation as Markdown", elem_id="chat-export-markdown")
+            self.import_json = gr.UploadButton("Import conversation (JSON)…", file_types=[".json"],
+                                               elem_id="chat-import-json")
+
+    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
+        super().wire(tab, state_type, gauge_label)
+        self.export_json.click(self._on_export_json, {tab.state}, [self.download, self.status])
+        self.export_markdown.click(self._on_export_markdown, {tab.state}, [self.download, self.status])
+        self.import_json.upload(self._on_import, {self.import_json, *self.view_inputs},
+                                self.view_outputs + self._session_outputs())
+
+    def _on_export_json(self, values: dict) -> dict:
+        return self._export(values, Conversation.to_json, ".json")
+
+    def _on_export_markdown(self, values: dict) -> dict:
+        return self._export(values, Conversation.to_markdown, ".md")
+
+    def _export(self, values: dict, render: Callable[[Conversation], str], suffix: str) -> dict:
+        state = values[self.tab.state]
+        if state is None:
+            return self._refused("nothing to export yet: start a chat first", "Not exported")
+        with state.running():
+            conversation = Conversation.of(state.session)
+        path = export_path("chat", suffix)
+        path.write_text(render(conversation), encoding="utf-8")
+        return {self.download: str(path), self.status: f"Exported {len(conversation.messages)} messages."}
+
+    def _on_import(self, values: dict) -> dict:
+        try:
+            path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
+            conversation = read_conversation(path.read_bytes())
+            loaded = wait_for_model(self.tab.provider)
+            state = self.state_type(loaded, self.tab.settings.cache(values),
+                                    conversation.system_prompt or "", self.tab.server.max_message_chars)
+            state.rebuild(conversation.messages)
+        except (Refused, TranscriptError) as err:
+            return self._refused(str(err))
+        except ValueError as err:  # the session refused the history (e.g. a message too long)
+            return self._refused(f"conversation file: {err}")
+        close_state(values[self.tab.state])
+        return ({self.tab.state: state,
+                 self.status: f"Imported {len(conversation.messages)} messages; they are read "
+                              "into a fresh cache on the next send."}
+                | self._shown(state) | self._views(values, state))
+
+    def _session_outputs(self) -> list:
+        return [self.tab.chatbot, self.tab.system_prompt]
+
+    def _new_state(self, loaded, cache, session) -> ViewState:
+        system = next((m["content"] for m in session.messages if m["role"] == "system"), "")
+        return self.state_type(loaded, cache, system, self.tab.server.max_message_chars)
+
+    def _shown(self, state: ViewState) -> dict:
+        return {self.tab.chatbot: state.shown(), self.tab.system_prompt: state.system_prompt}
+
+
+class StoryFiles(FilesPanel):
+    def __init__(self) -> None:
+        super().__init__("story")
+
+    def _session_outputs(self) -> list:
+        return [self.tab.bible, self.tab.story]
+
+    def _new_state(self, loaded, cache, session) -> ViewState:
+        # The bible box shows the bible without the blank line the view adds after it.
+        bible = session._decode(session.tokens[: session.bible_tokens]).strip()
+        return self.state_type(loaded, cache, bible, self.tab.server.max_message_chars)
+
+    def _shown(self, state: ViewState) -> dict:
+        return {self.tab.bible: state.bible, self.tab.story: state.session.text}

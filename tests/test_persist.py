@@ -1,0 +1,393 @@
+"""Saving and resuming: conversation files, session files with their cache, refusals."""
+
+import json
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from h2o_chat import ChatSession, StorySession, make_cache
+from h2o_chat.snapshot import (MANIFEST, TENSORS, VERSION, SnapshotError, load_session, model_identity,
+                               read_manifest, save_session)
+from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
+
+from .test_engine import feed
+
+BUDGET = dict(heavy=16, recent=16, sink=4)  # small: the turns below evict
+
+
+def small_cache(model, policy="h2o", rolling=False, **budget):
+    return make_cache(model, policy, rolling=rolling, **(BUDGET | budget))
+
+
+def kept_positions(cache):
+    return [layer.positions for layer in cache.stats().layers]
+
+
+def assert_same_cache(a, b):
+    for x, y in zip(kept_positions(a), kept_positions(b), strict=True):
+        assert torch.equal(x, y)
+
+
+def assert_continues_identically(model, original, resumed, steps=30):
+    """Feed both sessions' unfed token, then ``steps`` greedy tokens: the logits must be
+    bit-identical and every layer/head must keep the same positions after every step."""
+    assert original.tokens == resumed.tokens and original.fed == resumed.fed
+    assert_same_cache(original.cache, resumed.cache)
+    token = torch.tensor([original.tokens[original.fed:]])
+    assert token.shape == (1, 1)  # the last sampled token is still unfed
+    for _ in range(steps):
+        a, b = feed(model, original.cache, token, 1), feed(model, resumed.cache, token, 1)
+        assert torch.equal(a, b)
+        assert_same_cache(original.cache, resumed.cache)
+        token = a[:, -1:].argmax(-1)
+    assert original.cache.stats().budget_reached  # every step evicted
+
+
+@pytest.fixture(scope="module")
+def chat(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=small_cache(model), system_prompt="Be brief.")
+    for text in ("Name three fruits.", "And three colours?"):
+        "".join(session.send(text, temperature=0, max_new_tokens=20))
+    assert session.stats().cache.budget_reached
+    return session
+
+
+@pytest.fixture(scope="module")
+def chat_file(chat, tmp_path_factory):
+    return save_session(chat, tmp_path_factory.mktemp("sessions") / "chat.h2o-session.zip")
+
+
+# ---- conversations (text only) ---------------------------------------------------------
+
+def test_conversation_json_roundtrip_becomes_a_session_with_that_history(smollm, chat):
+    model, tokenizer = smollm
+    conversation = read_conversation(Conversation.of(chat).to_json())
+    assert conversation.system_prompt == "Be brief."
+    assert conversation.messages == [m for m in chat.messages if m["role"] != "system"]
+    imported = conversation.session(model, tokenizer, cache=small_cache(model))
+    assert imported.messages == chat.messages and imported.fed == 0
+    reply = "".join(imported.send("Thanks!", temperature=0, max_new_tokens=4))
+    assert reply and imported.messages[-2] == {"role": "user", "content": "Thanks!"}
+
+
+def test_conversation_markdown_has_every_message(chat):
+    text = Conversation.of(chat).to_markdown()
+    assert text.startswith("# Conversation\n\n**System prompt:** Be brief.\n\n## User\n\nName three fruits.")
+    assert text.count("## Assistant") == 2 and chat.messages[-1]["content"] in text
+
+
+@pytest.mark.parametrize("data, message", [
+    ("{not json", "invalid JSON"),
+    ('{"format": "other"}', "not a conversation file"),
+    ('{"format": "h2o-chat/conversation", "version": 2, "messages": []}', "unknown conversation file version 2"),
+    ('{"format": "h2o-chat/conversation", "version": 1, "messages": {}}', "messages = {}"),
+    ('{"format": "h2o-chat/conversation", "version": 1, "messages": [3]}', r"messages\[0\] = 3"),
+    ('{"format": "h2o-chat/conversation", "version": 1, "messages": [{"role": "system", "content": "x"}]}',
+     "must be a user or assistant message"),
+    ('{"format": "h2o-chat/conversation", "version": 1, "system_prompt": 5, "messages": []}', "system_prompt = 5"),
+    (b"\xff\xfe", "invalid JSON"),
+])
+def test_malformed_conversation_is_refused(data, message):
+    with pytest.raises(TranscriptError, match=message):
+        read_conversation(data)
+
+
+# ---- sessions with their cache ---------------------------------------------------------
+
+def test_chat_resumes_with_identical_logits_and_evictions(smollm, chat, chat_file):
+    model, tokenizer = smollm
+    resumed = load_session(chat_file, model, tokenizer, small_cache(model), kind="chat")
+    assert isinstance(resumed, ChatSession)
+    assert resumed.messages == chat.messages and resumed._text == chat._text
+    assert resumed.cache.spans.ranges == chat.cache.spans.ranges == [(0, 8)]
+    # Continue a copy of the original (a second resume), so the fixture stays unchanged.
+    original = load_session(chat_file, model, tokenizer, small_cache(model))
+    assert_continues_identically(model, original, resumed)
+
+
+def test_resumed_chat_replies_like_the_uninterrupted_one(smollm, chat_file):
+    model, tokenizer = smollm
+    a, b = (load_session(chat_file, model, tokenizer, small_cache(model)) for _ in range(2))
+    replies = ["".join(s.send("Three animals?", temperature=0, max_new_tokens=12)) for s in (a, b)]
+    assert replies[0] == replies[1] and a.tokens == b.tokens
+
+
+def test_story_resumes_with_identical_logits_and_evictions(smollm, tmp_path):
+    model, tokenizer, rolling = *smollm, True  # the chat above does without rolling
+    story = StorySession(model, tokenizer, cache=small_cache(model, rolling=rolling),
+                         bible="Mira keeps the lighthouse.\n\n")
+    "".join(story.send("The storm came at night.", temperature=0, max_new_tokens=24))
+    path = save_session(story, tmp_path / "story.h2o-session.zip")
+    resumed = load_session(path, model, tokenizer, small_cache(model, rolling=rolling), kind="story")
+    assert isinstance(resumed, StorySession)
+    assert resumed.bible_tokens == story.bible_tokens > 0 and resumed.text == story.text
+    assert_continues_identically(model, story, resumed)
+
+
+def test_the_file_is_a_zip_of_json_and_safetensors(chat, chat_file):
+    with zipfile.ZipFile(chat_file) as archive:
+        assert sorted(archive.namelist()) == sorted([MANIFEST, TENSORS])
+        manifest = json.loads(archive.read(MANIFEST))
+        tensors = load_tensors(archive.read(TENSORS))
+    assert manifest["version"] == VERSION and manifest["kind"] == "chat"
+    assert manifest["cache"]["settings"] == {"policy": "h2o", **BUDGET, "rolling": False}
+    assert manifest["cache"]["protected"] == [[0, 8]]
+    assert manifest["model"] == model_identity(chat.model)
+    assert manifest["tokens"] == chat.tokens and manifest["fed"] == chat.fed == len(chat.tokens) - 1
+    assert manifest["messages"] == chat.messages
+    held = chat.cache.stats().held
+    assert tensors["layers.0.keys"].shape == (1, 3, held, 64) and tensors["layers.29.scores"].dtype == torch.float32
+
+
+def rewritten(path, tmp_path, manifest=None, payload=None):
+    """A copy of a session file with its manifest and/or payload replaced (valid zip)."""
+    old_manifest, old_payload = read_manifest(path)
+    copy = tmp_path / "edited.h2o-session.zip"
+    with zipfile.ZipFile(copy, "w") as archive:
+        archive.writestr(MANIFEST, json.dumps(manifest or old_manifest))
+        archive.writestr(TENSORS, payload or old_payload)
+    return copy
+
+
+def refused(smollm, path, message, cache=None, kind=None):
+    model, tokenizer = smollm
+    cache = cache or small_cache(model)
+    with pytest.raises(SnapshotError, match=message):
+        load_session(path, model, tokenizer, cache, kind=kind)
+    assert cache.seen == 0 and not cache.layers[0].is_initialized and not cache.spans.ranges  # left fresh
+
+
+def test_truncated_and_corrupted_files_are_refused(smollm, chat_file, tmp_path):
+    data = chat_file.read_bytes()
+    truncated = tmp_path / "truncated.zip"
+    truncated.write_bytes(data[: len(data) // 2])
+    refused(smollm, truncated, "truncated")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # inside the tensors: the zip's CRC catches it
+    corrupted = tmp_path / "corrupted.zip"
+    corrupted.write_bytes(bytes(flipped))
+    refused(smollm, corrupted, "corrupted")
+    _, payload = read_manifest(chat_file)
+    tampered = bytearray(payload)
+    tampered[-1] ^= 0x01  # valid zip, changed tensors: the manifest's sha256 catches it
+    refused(smollm, rewritten(chat_file, tmp_path, payload=bytes(tampered)), "does not match the sha256")
+    plain = tmp_path / "notes.txt"
+    plain.write_text("hello")
+    refused(smollm, plain, "not a session file")
+
+
+def test_unknown_version_and_bad_fields_are_refused(smollm, chat_file, tmp_path):
+    manifest, _ = read_manifest(chat_file)
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"version": 99}),
+            "unknown session file version 99 \\(this app reads version 1\\)")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 10_000}), "fed = 10000")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"tokens": [-1]}), "token ids below 49152")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 3}), "fed = 3 but the cache has seen")
+    refused(smollm, chat_file, "this is a chat session file, not a story session", kind="story")
+    layers = manifest["cache"]["layers"]
+    bad_state = manifest["cache"] | {"layers": [layers[0] | {"held": 999}] + layers[1:]}
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": bad_state}), "layer 0: held = 999")
+
+
+def test_other_cache_settings_are_refused_naming_both_values(smollm, chat_file):
+    model = smollm[0]
+    refused(smollm, chat_file, "cache.heavy = 16 in the file, 32 in this cache: change the cache settings",
+            cache=small_cache(model, heavy=32))
+    refused(smollm, chat_file, "cache.policy = 'h2o' in the file, 'sink' in this cache",
+            cache=small_cache(model, policy="sink"))
+    refused(smollm, chat_file, "cache.rolling = False in the file, True in this cache",
+            cache=small_cache(model, rolling=True))
+
+
+def test_another_model_is_refused(smollm, chat_file, tiny_model):
+    with pytest.raises(SnapshotError, match="saved with another model: 'SmolLM2-135M-Instruct"):
+        load_session(chat_file, tiny_model, smollm[1], small_cache(tiny_model))
+
+
+def test_the_fingerprint_tells_a_changed_weight_apart(tiny_model):
+    before = model_identity(tiny_model)
+    weight = tiny_model.model.layers[0].mlp.up_proj.weight
+    kept = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 1.0
+    try:
+        assert model_identity(tiny_model)["fingerprint"] != before["fingerprint"]
+    finally:
+        with torch.no_grad():
+            weight[0, 0] = kept
+    assert model_identity(tiny_model) == before
+
+
+# ---- the cache's own state, on the tiny GQA model ------------------------------------
+
+@pytest.mark.parametrize("rolling", [False, True])
+def test_cache_state_roundtrip_continues_identically(tiny_model, rolling):
+    torch.manual_seed(5)
+    ids = torch.randint(0, 128, (2, 60))  # two rows evict on their own
+    original = make_cache(tiny_model, "h2o", rolling=rolling, heavy=6, recent=5, sink=2)
+    original.protect(0, 4)
+    feed(tiny_model, original, ids, 16)
+    tensors, info = original.state()
+    resumed = make_cache(tiny_model, "h2o", rolling=rolling, heavy=6, recent=5, sink=2)
+    resumed.load_state(load_tensors(save_tensors(tensors)), json.loads(json.dumps(info)))
+    # The control: the same state without its accumulated scores evicts differently.
+    forgetful = make_cache(tiny_model, "h2o", rolling=rolling, heavy=6, recent=5, sink=2)
+    forgetful.load_state({k: t.zero_() if k.endswith("scores") else t for k, t in
+                          load_tensors(save_tensors(tensors)).items()}, info)
+    token, diverged = torch.tensor([[7], [9]]), False
+    for _ in range(30):
+        a, b = feed(tiny_model, original, token, 1), feed(tiny_model, resumed, token, 1)
+        assert torch.equal(a, b)
+        assert_same_cache(original, resumed)
+        feed(tiny_model, forgetful, token, 1)
+        diverged |= any(not torch.equal(x, y) for x, y in zip(kept_positions(original), kept_positions(forgetful)))
+        token = a[:, -1:].argmax(-1)
+    assert diverged and resumed.stats().held == 4 + 13 and resumed.seen == 90
+
+
+def test_cache_state_of_other_settings_is_refused_and_changes_nothing(tiny_model):
+    source = make_cache(tiny_model, "h2o", heavy=6, recent=5, sink=2)
+    feed(tiny_model, source, torch.randint(0, 128, (1, 30)), 8)
+    target = make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2)
+    feed(tiny_model, target, torch.randint(0, 128, (1, 20)), 8)
+    before = kept_positions(target)
+    with pytest.raises(ValueError, match="cache.recent = 5 in the saved state, 6 in this cache"):
+        target.load_state(*source.state())
+    tensors, info = source.state()
+    del tensors["layers.2.scores"]
+    with pytest.raises(ValueError, match="layer 2: tensors"):
+        make_cache(tiny_model, "h2o", heavy=6, recent=5, sink=2).load_state(tensors, info)
+    assert target.seen == 20
+    for x, y in zip(before, kept_positions(target)):
+        assert torch.equal(x, y)
+
+
+# ---- the views' Save / load panels, without a server ----------------------------------
+
+@pytest.fixture(scope="module")
+def views(smollm):
+    import gradio as gr
+
+    from h2o_chat.config import AppConfig, CacheConfig
+    from h2o_chat.ui.chat_tab import ChatTab
+    from h2o_chat.ui.provider import ModelProvider
+    from h2o_chat.ui.settings import Settings
+    from h2o_chat.ui.story_tab import StoryTab
+
+    config = AppConfig(cache=CacheConfig(**BUDGET))
+    provider = ModelProvider(lambda: smollm, "SmolLM2").start()
+    provider.get()
+    with gr.Blocks():
+        settings = Settings(config)
+        chat, story = ChatTab(provider, settings, config), StoryTab(provider, settings, config)
+    return settings, chat, story
+
+
+def inputs(settings, tab, state, **changed):
+    """What a handler of ``tab`` receives: the settings as configured, then ``changed``
+    (component attribute name -> value, e.g. heavy=32) and the view's state."""
+    values = {c: c.value for c in settings.components} | {tab.map.live: True}
+    values |= {picker: -1 for picker in tab.map.pickers} | {tab.state: state}
+    return values | {getattr(settings, name): value for name, value in changed.items()}
+
+
+def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
+    settings, chat, _ = views
+    files = chat.files
+    # Start a chat the way the view does, through the import handler.
+    conversation = Conversation("Be brief.", [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello!"}])
+    upload = tmp_path / "conversation.json"
+    upload.write_text(conversation.to_json())
+    update = files._on_import(inputs(settings, chat, None) | {files.import_json: str(upload)})
+    state = update[chat.state]
+    assert update[chat.chatbot] == conversation.messages and update[chat.system_prompt] == "Be brief."
+    assert state.session.fed == 0 and "Imported 2 messages" in update[files.status]
+    with state.running():
+        "".join(state.session.send("Name a colour.", temperature=0, max_new_tokens=24))
+
+    values = inputs(settings, chat, state)
+    exported = files._on_export_json(values)[files.download]
+    assert read_conversation(open(exported, "rb").read()) == Conversation.of(state.session)
+    assert open(files._on_export_markdown(values)[files.download]).read().startswith("# Conversation")
+
+    saved = files._on_save(values)
+    assert saved[files.download].endswith(".h2o-session.zip") and "Saved" in saved[files.status]
+    resumed = files._on_resume(values | {files.resume: saved[files.download]})
+    new = resumed[chat.state]
+    assert new is not state and state.closed and not new.closed
+    assert new.session.tokens == state.session.tokens and new.session.fed == state.session.fed
+    assert resumed[chat.chatbot] == state.shown() and resumed[chat.system_prompt] == "Be brief."
+    assert_same_cache(new.session.cache, state.session.cache)
+    assert resumed[chat.gauge] and resumed[chat.map.tokens]  # gauge and map redrawn
+
+    # The resumed chat goes on: rebuilding (regenerate/undo) uses the same settings.
+    new.rebuild(new.shown()[:1])
+    assert new.session.cache.settings() == state.session.cache.settings()
+
+
+def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
+    from h2o_chat.ui import files_panel
+    from h2o_chat.ui.chat_tab import ChatState
+
+    settings, chat, story = views
+    files = chat.files
+    state = ChatState(files.tab.provider.get(), settings.cache(inputs(settings, chat, None)), "Be brief.")
+    with state.running():
+        "".join(state.session.send("Hi", temperature=0, max_new_tokens=4))
+    values = inputs(settings, chat, state)
+    path = files._on_save(values)[files.download]
+
+    def refused_with(update, message):
+        assert chat.state not in update and chat.chatbot not in update  # nothing replaced
+        assert update[files.status].startswith("**Not loaded:**") and message in update[files.status]
+        assert not state.closed
+
+    with pytest.warns(UserWarning, match="cache.heavy"):
+        refused_with(files._on_resume(inputs(settings, chat, state, heavy=32) | {files.resume: path}),
+                     "cache.heavy = 16 in the file, 32 in this cache")
+    truncated = tmp_path / "truncated.zip"
+    truncated.write_bytes(open(path, "rb").read()[:1000])
+    with pytest.warns(UserWarning):
+        refused_with(files._on_resume(values | {files.resume: str(truncated)}), "truncated")
+    with pytest.warns(UserWarning):
+        refused_with(files._on_resume(values | {files.resume: None}), "no file was uploaded")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "h2o-chat/conversation", "version": 7, "messages": []}')
+    with pytest.warns(UserWarning):
+        refused_with(files._on_import(values | {files.import_json: str(bad)}),
+                     "unknown conversation file version 7")
+    # A story file does not resume in the chat view, nor a chat file in the story view.
+    story_state = inputs(settings, story, None)
+    with pytest.warns(UserWarning, match="chat session file, not a story session"):
+        update = story.files._on_resume(story_state | {story.files.resume: path})
+    assert story.state not in update
+    monkeypatch.setattr(files_panel, "MAX_SESSION_BYTES", 1000)
+    with pytest.warns(UserWarning):
+        refused_with(files._on_resume(values | {files.resume: path}), "over the upload limit of 1,000 bytes")
+    # While a reply streams, saving waits for Stop.
+    with state.running():
+        with pytest.raises(Exception, match="still streaming"):
+            files._on_save(values)
+
+
+def test_story_panel_saves_and_resumes(views):
+    from h2o_chat.ui.story_tab import StoryState
+
+    settings, _, story = views
+    files = story.files
+    state = StoryState(files.tab.provider.get(), settings.cache(inputs(settings, story, None)),
+                       "Mira keeps the lighthouse.")
+    "".join(state.session.send("The storm came.", temperature=0, max_new_tokens=30))
+    values = inputs(settings, story, state)
+    path = files._on_save(values)[files.download]
+    update = files._on_resume(values | {files.resume: path})
+    new = update[story.state]
+    assert update[story.bible] == "Mira keeps the lighthouse." and update[story.story] == state.session.text
+    assert new.continues(update[story.bible], update[story.story] + " More.")  # no re-read needed
+    assert new.session.tokens == state.session.tokens and new.session.bible_tokens == state.session.bible_tokens
+    assert_same_cache(new.session.cache, state.session.cache)
