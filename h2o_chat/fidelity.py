@@ -18,6 +18,7 @@ import torch
 
 from .cache import H2OCache, make_cache
 from .session import Session
+from .ui.gauges import first_divergence
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
 
@@ -72,6 +73,7 @@ class FidelityProbe:
         for layer in self.shadow.layers:
             layer.watch_newest = True
         self.shadow_tokens: list[int] = []  # what the shadow has read
+        self._predicted_from: list[int] = []  # the conversation the points are about
         self.points: list[FidelityPoint] = []
         self.full_logits: torch.Tensor | None = None  # the shadow's, at the latest step
         self._held_at = (0, None)  # (tokens fed, bounded positions held right then)
@@ -92,13 +94,16 @@ class FidelityProbe:
     def observe(self, tokens: list[int], start: int, end: int, logits: torch.Tensor) -> None:
         """The session just fed ``tokens[start:end]`` and predicted from ``logits``; the
         caller holds the model lock."""
-        while self.points and self.points[-1].position > start:
-            self.points.pop()  # the session went back (rebuilt its cache): a new timeline
+        self._forget_changed(tokens)
         with torch.inference_mode():
-            self._catch_up(tokens[:start])
+            self._catch_up(tokens, start)
             self.full_logits = self._feed(tokens[start:end])
-            visible = self._visible_before(start, end)
-            self.points.append(self._point(end, logits, self.full_logits, visible))
+            # A session refilling its cache (after a failed pass) replays tokens it has
+            # read before: the record keeps what happened the first time.
+            if end > len(self._predicted_from):
+                visible = self._visible_before(start, end)
+                self.points.append(self._point(end, logits, self.full_logits, visible))
+        self._predicted_from += tokens[len(self._predicted_from) : end]
         self._held_at = (end, held_positions(self.session.cache))
 
     # ---- internals --------------------------------------------------------------------------
@@ -110,15 +115,26 @@ class FidelityProbe:
         self.shadow_tokens += ids
         return out.logits[0, -1]
 
-    def _catch_up(self, prefix: list[int]) -> None:
-        """Make the shadow have read exactly ``prefix`` (attached mid-conversation, or the
-        session went back), in the session's chunks."""
-        if self.shadow_tokens != prefix[: len(self.shadow_tokens)]:
+    def _forget_changed(self, tokens: list[int]) -> None:
+        """Drop the points predicted from tokens the session has since taken back."""
+        known = self._predicted_from
+        # Checked at C speed first: normally the conversation only grows.
+        common = len(known) if known == tokens[: len(known)] else first_divergence(known, tokens)
+        while self.points and self.points[-1].position > common:
+            self.points.pop()
+        del known[common:]
+
+    def _catch_up(self, tokens: list[int], start: int) -> None:
+        """Make the shadow have read exactly ``tokens[:start]``, in the session's chunks:
+        more of them when attached mid-conversation, all again when the session went
+        back or refills its cache (a full cache cannot un-read)."""
+        read = self.shadow_tokens
+        if len(read) > start or read != tokens[: len(read)]:
             self.shadow.reset()
             self.shadow_tokens = []
         size = self.session.prefill_chunk_size
-        for at in range(len(self.shadow_tokens), len(prefix), size):
-            self._feed(prefix[at : at + size])
+        for at in range(len(self.shadow_tokens), start, size):
+            self._feed(tokens[at : min(at + size, start)])
 
     def _visible_before(self, start: int, end: int) -> torch.Tensor:
         """``(layers, kv_heads, end)`` bool: which positions the bounded cache's newest

@@ -4,6 +4,7 @@ compare view's gauge, on the real embedded model."""
 import html
 
 import gradio as gr
+import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
@@ -134,3 +135,30 @@ def test_compare_view_gauge(smollm):
 
 def loaded_piece(smollm, token):
     return smollm[1].decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_a_failed_pass_keeps_the_record_and_the_shadow_in_step(smollm):
+    session, probe = session_with_probe(smollm, heavy=512, recent=512)
+    reply(session, tokens=6)
+    first_turn = [p.position for p in probe.points]
+    layer = session.cache.layers[12]
+    update, calls = layer.update, []
+
+    def failing_update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the message's second chunk: its first one was recorded
+            layer.update = update
+            raise RuntimeError("injected failure")
+        return update(*args, **kwargs)
+
+    # The session refills its cache, then takes the turn back: refilled again without it.
+    layer.update = failing_update
+    with pytest.raises(RuntimeError, match="injected"):
+        reply(session, tokens=6, text="What is 2 + 2? " * 8)
+    # The message's point is gone with it, and the replays were not recorded again.
+    assert [p.position for p in probe.points] == first_turn
+    reply(session, tokens=6, text="What is 3 + 3?")
+    positions = [p.position for p in probe.points]
+    assert positions[: len(first_turn)] == first_turn and positions == sorted(set(positions))
+    assert probe.shadow_tokens == session.tokens[: session.fed]
+    assert all(p.agree and p.kl < 1e-6 for p in probe.points)  # no eviction: still exact
