@@ -20,7 +20,6 @@ is resumed into.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import zipfile
 import zlib

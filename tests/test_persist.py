@@ -39,21 +39,28 @@ def assert_continues_identically(model, original, resumed, steps=30):
     token = torch.tensor([original.tokens[original.fed:]])
     assert token.shape == (1, 1)  # the last sampled token is still unfed
     for _ in range(steps):
-        a, b = feed(model, original.cache, token, 1), feed(model, resumed.cache, token, 1)
+        with torch.inference_mode():  # as sessions feed: their buffers are inference tensors
+            a, b = feed(model, original.cache, token, 1), feed(model, resumed.cache, token, 1)
         assert torch.equal(a, b)
         assert_same_cache(original.cache, resumed.cache)
         token = a[:, -1:].argmax(-1)
     assert original.cache.stats().budget_reached  # every step evicted
 
 
-@pytest.fixture(scope="module")
-def chat(smollm):
+def new_chat(smollm, pin=False):
+    """Two greedy turns on a small cache (over budget), the first message pinned if ``pin``."""
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, cache=small_cache(model), system_prompt="Be brief.")
     for text in ("Name three fruits.", "And three colours?"):
-        "".join(session.send(text, temperature=0, max_new_tokens=20))
+        "".join(session.send(text, pin=pin and text.startswith("Name"), temperature=0, max_new_tokens=20))
+        pin = False
     assert session.stats().cache.budget_reached
     return session
+
+
+@pytest.fixture(scope="module")
+def chat(smollm):
+    return new_chat(smollm)
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +105,16 @@ def test_malformed_conversation_is_refused(data, message):
 
 # ---- sessions with their cache ---------------------------------------------------------
 
-def test_chat_resumes_with_identical_logits_and_evictions(smollm, chat, chat_file):
+def test_chat_resumes_with_identical_logits_and_evictions(smollm, tmp_path):
     model, tokenizer = smollm
-    resumed = load_session(chat_file, model, tokenizer, small_cache(model), kind="chat")
+    chat = new_chat(smollm, pin=True)  # continued below, so not the shared fixture
+    path = save_session(chat, tmp_path / "chat.h2o-session.zip")
+    resumed = load_session(path, model, tokenizer, small_cache(model), kind="chat")
     assert isinstance(resumed, ChatSession)
     assert resumed.messages == chat.messages and resumed._text == chat._text
-    assert resumed.cache.spans.ranges == chat.cache.spans.ranges == [(0, 8)]
-    # Continue a copy of the original (a second resume), so the fixture stays unchanged.
-    original = load_session(chat_file, model, tokenizer, small_cache(model))
-    assert_continues_identically(model, original, resumed)
+    # The system prompt stays a fixed pin, the pinned message a pin of the user's.
+    assert resumed.pins() == chat.pins() and [p.fixed for p in chat.pins()] == ["system prompt", None]
+    assert_continues_identically(model, chat, resumed)
 
 
 def test_resumed_chat_replies_like_the_uninterrupted_one(smollm, chat_file):
@@ -125,6 +133,7 @@ def test_story_resumes_with_identical_logits_and_evictions(smollm, tmp_path):
     resumed = load_session(path, model, tokenizer, small_cache(model, rolling=rolling), kind="story")
     assert isinstance(resumed, StorySession)
     assert resumed.bible_tokens == story.bible_tokens > 0 and resumed.text == story.text
+    assert resumed.pins() == story.pins() and story.pins()[0].fixed == "story bible"
     assert_continues_identically(model, story, resumed)
 
 
