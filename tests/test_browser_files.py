@@ -1,0 +1,83 @@
+"""End to end: the chat view's Save / load panel in the real app (``app.py`` on the
+embedded model) driven through Debian's chromium: export, save, then resume in another
+browser session, and a refused file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from .browser_support import chromium, configure, gauge, messages, open_app, running_app, send
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app("--heavy", "16", "--recent", "16", "--sink", "4") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright, chromium(playwright) as browser:
+        yield browser
+
+
+def open_files(page: Page) -> None:
+    page.click("#chat-files .label-wrap")
+    page.wait_for_selector("#chat-save-session", state="visible")
+
+
+def download(page: Page, button: str, target) -> None:
+    """Click ``button``, wait for the new download link it produces, save its file as
+    ``target``."""
+    links = page.locator("#chat-download a")
+    before = links.first.get_attribute("href") if links.count() else None
+    page.click(button)
+    page.wait_for_function(
+        "before => { const a = document.querySelector('#chat-download a');"
+        " return a && a.getAttribute('href') !== before; }", arg=before, timeout=60_000)
+    with page.expect_download() as event:
+        links.first.click()
+    event.value.save_as(target)
+
+
+def upload(page: Page, button: str, path) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.click(button)
+    chooser.value.set_files(str(path))
+
+
+def test_save_then_resume_in_another_browser_session(browser, app_url, tmp_path):
+    first = open_app(browser, app_url)
+    configure(first, max_new_tokens=24)
+    send(first, "#chat-input", "#chat-send", "Name three fruits.")
+    send(first, "#chat-input", "#chat-send", "And three colours?")
+    shown = messages(first, "chatbot", "bot")
+    open_files(first)
+    download(first, "#chat-export-json", tmp_path / "chat.json")
+    exported = json.loads((tmp_path / "chat.json").read_text())
+    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"] * 2
+    download(first, "#chat-save-session", tmp_path / "chat.h2o-session.zip")
+    expect(first.locator("#chat-files-status")).to_contain_text("Saved")
+    saved_gauge = gauge(first, "chat-gauge")
+
+    second = open_app(browser, app_url)  # a new Gradio session, as after a restart
+    configure(second, max_new_tokens=24)
+    open_files(second)
+    (tmp_path / "broken.h2o-session.zip").write_bytes(b"not a zip")
+    upload(second, "#chat-resume-session", tmp_path / "broken.h2o-session.zip")
+    expect(second.locator("#chat-files-status")).to_contain_text("Not loaded")
+    upload(second, "#chat-resume-session", tmp_path / "chat.h2o-session.zip")
+    expect(second.locator("#chat-files-status")).to_contain_text("Resumed", timeout=60_000)
+    assert messages(second, "chatbot", "bot") == shown
+    resumed_gauge = gauge(second, "chat-gauge")
+    assert (resumed_gauge["seen"], resumed_gauge["held"]) == (saved_gauge["seen"], saved_gauge["held"])
+
+    # Both go on with the same greedy reply: the resumed cache is the saved one.
+    send(first, "#chat-input", "#chat-send", "Three animals?")
+    send(second, "#chat-input", "#chat-send", "Three animals?")
+    assert messages(second, "chatbot", "bot")[-1] == messages(first, "chatbot", "bot")[-1]
+    first.context.close()
+    second.context.close()
