@@ -63,7 +63,7 @@ class ServerConfig:
     # refused with this limit in the message; shorter text is prefilled in chunks.
     max_message_chars: int = 100_000
     # Largest HTTP request body (messages, uploads) the server reads, in megabytes.
-    max_request_mb: int = 16
+    max_request_mb: int = 256
     # Replies generated at once over all browsers; more wait in a queue whose position
     # the page shows. They share one model, so more at once only slows each down.
     max_concurrent_generations: int = 4

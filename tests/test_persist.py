@@ -1,7 +1,9 @@
 """Saving and resuming: conversation files, session files with their cache, refusals."""
 
+import dataclasses
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,7 +342,6 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
 
 
 def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
-    from h2o_chat.ui import files_panel
     from h2o_chat.ui.chat_tab import ChatState
 
     settings, chat, story = views
@@ -375,9 +376,12 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="chat session file, not a story session"):
         update = story.files._on_resume(story_state | {story.files.resume: path})
     assert story.state not in update
-    monkeypatch.setattr(files_panel, "MAX_SESSION_BYTES", 1000)
+    monkeypatch.setattr(files.tab, "server", dataclasses.replace(files.tab.server, max_request_mb=1))
+    big = tmp_path / "big.h2o-session.zip"
+    big.write_bytes(Path(path).read_bytes() + bytes(2**20))
     with pytest.warns(UserWarning):
-        refused_with(files._on_resume(values | {files.resume: path}), "over the upload limit of 1,000 bytes")
+        refused_with(files._on_resume(values | {files.resume: str(big)}),
+                     "over the upload limit of 1,048,576 bytes")
     # While a reply streams, saving waits for Stop.
     with state.running():
         with pytest.raises(Exception, match="still streaming"):

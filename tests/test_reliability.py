@@ -214,4 +214,4 @@ def test_login_comes_from_the_environment_and_needs_both_fields(monkeypatch):
     monkeypatch.setenv("H2O_CHAT_PASSWORD", "s3cret")
     options = launch_options(load_config().server)
     assert options["auth"] == ("ann", "s3cret") and options["server_name"] == "127.0.0.1"
-    assert options["max_file_size"] == 16 * 2**20
+    assert options["max_file_size"] == 256 * 2**20

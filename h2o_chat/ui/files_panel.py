@@ -29,11 +29,11 @@ from .map_panel import gauge_and_map
 from .settings import new_cache
 from .view_state import ViewState, close_state, wait_for_model
 
-# Uploads larger than these are refused before they are read. A session of the default
+# Conversations larger than this are refused before they are read. Session files are
+# bounded by the server's request limit (server.max_request_mb): one of the default
 # budget (260 slots + the system prompt) takes about 13 MB, a full cache of 8k tokens
 # about 390 MB.
 MAX_CONVERSATION_BYTES = 5 * 1024**2
-MAX_SESSION_BYTES = 512 * 1024**2
 
 # Files offered for download; Gradio serves them from its own copy, and the folder goes
 # when the app exits.
@@ -105,7 +105,7 @@ class FilesPanel:
 
     def _on_resume(self, values: dict) -> dict:
         try:
-            path = checked_upload(values[self.resume], MAX_SESSION_BYTES)
+            path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
             loaded = wait_for_model(self.tab.provider)
             cache = self.tab.settings.cache(values)
             limit = self.tab.server.max_message_chars
