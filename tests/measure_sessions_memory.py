@@ -1,10 +1,12 @@
-"""Server memory as browser sessions open and close: ``python -m tests.measure_sessions_memory [sessions]``
-(default 50).
+"""Server memory as browser sessions open and close: ``python -m tests.measure_sessions_memory [sessions] [batch]``
+(defaults 50 and 10).
 
-Starts the real app, opens that many browser contexts one after another, each sending a
+Starts the real app and opens browser contexts in batches of ``batch``, each sending a
 message long enough to fill its cache to the budget (so every session holds a full
-cache), keeps them all open, then closes them all. Prints the server process's resident
-memory and its conversation count (the page's server line) at each stage.
+cache); once a batch is open it is closed, and the next batch opens. Prints the server
+process's resident memory and its conversation count (the page's server line) with each
+batch open and after it closed. (Batches, because one small machine cannot render 50
+live pages at once.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def server_process(url: str) -> psutil.Process:
     raise RuntimeError(f"no process listens on port {port}")
 
 
-def main(sessions: int = 50) -> None:
+def main(sessions: int = 50, batch: int = 10) -> None:
     with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
         server = server_process(url)
 
@@ -40,26 +42,25 @@ def main(sessions: int = 50) -> None:
         first = open_app(browser, url)
         report("model loaded, no conversation", first)
         first.context.close()
-        pages = []
-        for i in range(sessions):
-            page = open_app(browser, url)
-            configure(page, max_new_tokens=2)
-            page.fill("#chat-input textarea", MESSAGE)
-            page.click("#chat-send")
-            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
-            page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
-            pages.append(page)
-            if (i + 1) % 10 == 0:
-                time.sleep(2.5)  # one tick of the server line
-                report(f"{i + 1} sessions open", page)
-        for page in pages:
-            page.context.close()
-        time.sleep(5)
-        last = open_app(browser, url)
-        time.sleep(2.5)
-        report("all closed", last)
-        last.context.close()
-
+        for done in range(0, sessions, batch):
+            pages = []
+            for _ in range(min(batch, sessions - done)):
+                page = open_app(browser, url)
+                configure(page, max_new_tokens=2)
+                page.fill("#chat-input textarea", MESSAGE)
+                page.click("#chat-send")
+                page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+                page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+                pages.append(page)
+            time.sleep(5.5)  # one tick of the server line
+            report(f"sessions {done + 1}-{done + len(pages)} open", pages[-1])
+            for page in pages:
+                page.context.close()
+            time.sleep(5)
+            check = open_app(browser, url)
+            time.sleep(2.5)
+            report(f"sessions {done + 1}-{done + len(pages)} closed", check)
+            check.context.close()
 
 if __name__ == "__main__":
     main(*(int(arg) for arg in sys.argv[1:]))
