@@ -25,12 +25,14 @@ CONVERSATIONS = [
 ]
 MAX_NEW_TOKENS = 8
 LIMIT = 2  # generations at once: four browsers make two of them wait
+MAX_MESSAGE_CHARS = 2000
 
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     config = tmp_path_factory.mktemp("config") / "load.yaml"
-    config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n")
+    config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n"
+                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n")
     with running_app("--config", str(config)) as url:
         yield url
 
@@ -91,6 +93,28 @@ def test_four_browsers_five_turns_each_equal_their_conversations_run_alone(brows
     finally:
         for page in pages:
             page.context.close()
+
+
+def test_a_message_over_the_limit_is_refused_in_the_page_and_the_chat_goes_on(browser, app_url):
+    page = open_app(browser, app_url)
+    try:
+        configure(page, max_new_tokens=4)
+        page.fill("#chat-input textarea", "Hi!")
+        page.click("#chat-send")
+        page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+        before = messages(page, "chatbot", "bot")
+        page.fill("#chat-input textarea", "x" * (MAX_MESSAGE_CHARS + 1))
+        page.click("#chat-send")
+        page.get_by_text("the limit is 2,000 (server.max_message_chars)").first.wait_for(timeout=30_000)
+        assert messages(page, "chatbot", "user") == ["Hi!"] and messages(page, "chatbot", "bot") == before
+        page.fill("#chat-input textarea", "Thanks!")
+        page.click("#chat-send")
+        page.wait_for_function(
+            "document.querySelectorAll('#chatbot [data-testid=bot]').length == 2", timeout=DONE_TIMEOUT_MS)
+        assert messages(page, "chatbot", "user") == ["Hi!", "Thanks!"]
+    finally:
+        page.context.close()
 
 
 def test_closing_tabs_frees_their_sessions_at_once(browser, app_url):
