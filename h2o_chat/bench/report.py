@@ -383,6 +383,9 @@ def rolling_plot(result: dict, path: Path) -> None:
     cfg = result["config"]
     ax.set_xlabel("token of the book (window centre)")
     ax.set_ylabel(f"perplexity per {cfg['window']}-token window")
+    # Log scale: past the trained context absolute positions grow ppl tenfold or more,
+    # which would flatten the differences inside it.
+    ax.set_yscale("log")
     ax.set_title(f"Absolute vs rolled positions: {cfg['budget']} slots, chunks of {cfg['chunk']} tokens")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
