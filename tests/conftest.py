@@ -37,3 +37,15 @@ def smollm():
     from h2o_chat.loading import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Debian chromium for every browser test (each test opens its own
+    contexts, i.e. its own Gradio sessions)."""
+    from playwright.sync_api import sync_playwright
+
+    from .browser_support import chromium
+
+    with sync_playwright() as playwright, chromium(playwright) as browser:
+        yield browser

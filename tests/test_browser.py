@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from playwright.sync_api import sync_playwright
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, chromium, configure, gauge, messages, open_app, open_tab, running_app, send,
+    DONE_TIMEOUT_MS, configure, gauge, messages, open_app, open_tab, running_app, send,
     set_number, start_and_wait,
 )
 
@@ -18,12 +17,6 @@ from .browser_support import (
 def app_url():
     with running_app() as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright, chromium(playwright) as browser:
-        yield browser
 
 
 @pytest.fixture

@@ -7,21 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
-from .browser_support import chromium, configure, gauge, messages, open_app, running_app, send
+from .browser_support import configure, gauge, messages, open_app, running_app, send
 
 
 @pytest.fixture(scope="module")
 def app_url():
     with running_app("--heavy", "16", "--recent", "16", "--sink", "4") as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright, chromium(playwright) as browser:
-        yield browser
 
 
 def open_files(page: Page) -> None:

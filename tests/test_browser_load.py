@@ -8,12 +8,11 @@ import re
 import time
 
 import pytest
-from playwright.sync_api import sync_playwright
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import load_config
 
-from .browser_support import DONE_TIMEOUT_MS, chromium, configure, messages, open_app, running_app
+from .browser_support import DONE_TIMEOUT_MS, configure, messages, open_app, running_app
 
 CONVERSATIONS = [
     ["What is the capital of France?", "And of Spain?", "Which is bigger?", "Name a river there.",
@@ -35,12 +34,6 @@ def app_url(tmp_path_factory):
                       f"  max_message_chars: {MAX_MESSAGE_CHARS}\n")
     with running_app("--config", str(config)) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright, chromium(playwright) as browser:
-        yield browser
 
 
 def _plain(text: str) -> str:
