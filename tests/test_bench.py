@@ -201,6 +201,27 @@ def test_recall_probe_checks_name_and_code():
     assert recalled("code", "The code is 4817.") and not recalled("code", "It is 4871.")
 
 
+def test_recall_probe_scores_the_answer_like_one_plain_forward_pass(smollm):
+    from h2o_chat import ChatSession
+    from h2o_chat.bench.long_chat import ANSWERS, FACT, PROBES, probe
+
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=make_cache(model, "full"))
+    "".join(session.send(FACT, temperature=0, max_new_tokens=8))
+    tokens_before = list(session.tokens)
+    answer, nll = probe(session, PROBES["name"], ANSWERS["name"])
+    assert session.tokens == tokens_before and session.cache.seen == session.fed  # probes use copies
+    rendered = tokenizer.apply_chat_template(session.messages + [{"role": "user", "content": PROBES["name"]}],
+                                             tokenize=False, add_generation_prompt=True)
+    prompt = session.tokens[:session.fed] + session.tokens[session.fed:] + tokenizer(
+        rendered[len(session._text):], add_special_tokens=False).input_ids
+    target = tokenizer(ANSWERS["name"], add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + target[:-1]])).logits[0, len(prompt) - 1:]
+    expected = metrics.token_nll(torch.log_softmax(logits.float(), -1), torch.tensor(target)).mean()
+    assert nll == pytest.approx(float(expected), abs=1e-3) and answer
+
+
 def test_rss_sampler_sees_an_allocation():
     from h2o_chat.bench.speed import RssSampler
 

@@ -18,17 +18,23 @@ import copy
 import time
 
 import torch
+from torch.nn import functional as F
 
 from h2o_chat.cache import make_cache
 from h2o_chat.session import ChatSession
 
 from . import data
+from .metrics import token_nll
 from .variants import bench_cache
 
 FACT = "Before we start, please remember this: my name is Marisol Quentaro and my locker code is 4817."
 # Asked separately: the 135M model answers "What is my name?" right after the fact but
 # not a combined question.
 PROBES = {"name": "What is my name?", "code": "What is my locker code?"}
+# The true answers, scored token by token (teacher forcing) after each probe's question:
+# a small model may fail to say the answer even with everything cached, but the
+# likelihood it gives the answer still shows whether the fact's tokens are there to use.
+ANSWERS = {"name": "Your name is Marisol Quentaro.", "code": "Your locker code is 4817."}
 PROBE_AFTER = (0, 10, 20, 40)
 
 
@@ -38,8 +44,9 @@ def recalled(kind: str, answer: str) -> bool:
     return "4817" in answer
 
 
-def probe(session: ChatSession, question: str, max_new_tokens: int = 24) -> str:
-    """Greedy answer to ``question`` from a copy of the session's state."""
+def probe(session: ChatSession, question: str, answer: str, max_new_tokens: int = 24) -> tuple[str, float]:
+    """The greedy answer to ``question`` and the mean negative log-likelihood of the true
+    ``answer`` given it, each from its own copy of the session's state."""
     tok, model = session.tokenizer, session.model
     cache = copy.deepcopy(session.cache)
     rendered = tok.apply_chat_template(session.messages + [{"role": "user", "content": question}],
@@ -51,13 +58,19 @@ def probe(session: ChatSession, question: str, max_new_tokens: int = 24) -> str:
         ids = torch.tensor([new])
         for piece in ids.split(256, dim=1):
             logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        forced = copy.deepcopy(cache)
+        first = logits
         for _ in range(max_new_tokens):
             token = int(logits.argmax(-1))
             if token in session.eos_ids:
                 break
             out.append(token)
             logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[:, -1]
-    return tok.decode(out, skip_special_tokens=True)
+        targets = torch.tensor([tok(answer, add_special_tokens=False).input_ids])
+        rest = model(input_ids=targets[:, :-1], past_key_values=forced, use_cache=True).logits
+        answer_logits = torch.cat([first[:, None], rest], dim=1)
+        nll = token_nll(F.log_softmax(answer_logits.float(), dim=-1), targets)
+    return tok.decode(out, skip_special_tokens=True), float(nll.mean())
 
 
 def chat_run(model, tokenizer, label: str, cache, user_turns: list[str], max_new_tokens: int,
@@ -79,9 +92,9 @@ def chat_run(model, tokenizer, label: str, cache, user_turns: list[str], max_new
             turns[-1]["reply"] = reply
         if turn in PROBE_AFTER:
             for kind, question in PROBES.items():
-                answer = probe(session, question)
+                answer, nll = probe(session, question, ANSWERS[kind])
                 probes.append({"after_turns": turn, "kind": kind, "answer": answer,
-                               "recalled": recalled(kind, answer)})
+                               "recalled": recalled(kind, answer), "answer_nll": nll})
         if turn % 10 == 0:
             log(f"  chat {label}: turn {turn}/{len(user_turns)} held {stats.held} seen {stats.seen} "
                 f"({seconds:.1f}s)")
@@ -119,7 +132,8 @@ def run(model, tokenizer, n_questions: int, max_new_tokens: int, budget: int = 5
         f"Recall probes: turn 0 says \"{FACT}\"; after turns {', '.join(map(str, PROBE_AFTER))} a copy of the "
         f"session is asked \"{PROBES['name']}\" (name: the answer contains Marisol or Quentaro) and "
         f"\"{PROBES['code']}\" (code: it contains 4817). After turn 0 is the baseline: what the model "
-        "recalls with nothing evicted.",
+        "recalls with nothing evicted. Answer NLL: mean negative log-likelihood (nats per token) of the true "
+        f"answers {ANSWERS['name']!r} / {ANSWERS['code']!r} after the question, teacher-forced.",
         "KV MB in use counts the slots held (keys, values, scores, positions, flags); allocated adds the room "
         "reserved for incoming tokens: budget + one prefill chunk for a bounded cache, doubling buffers for full.",
     ]

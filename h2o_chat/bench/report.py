@@ -256,9 +256,11 @@ def chat_markdown(result: dict) -> str:
         turns = run["turns"]
         after = [t for t in turns if t["budget"] is not None and t["seen"] >= (t["budget"] or 0)]
         held_after = [t["held"] for t in after] or [None]
-        probes = {}
+        probes, nll = {}, {}
         for p in run["probes"]:
             probes.setdefault(p["after_turns"], {})[p.get("kind", "fact")] = p["recalled"]
+            if "answer_nll" in p:
+                nll.setdefault(p["after_turns"], []).append(p["answer_nll"])
         rows.append([
             run["label"], run["budget"], len(turns), turns[0]["held"], turns[-1]["held"],
             None if held_after == [None] else f"{min(held_after)}–{max(held_after)}",
@@ -267,10 +269,11 @@ def chat_markdown(result: dict) -> str:
             statistics.mean(t["seconds"] for t in turns), turns[-1]["seconds"],
             "; ".join(f"{k}: " + " ".join(f"{kind} {'yes' if ok else 'no'}" for kind, ok in probes[k].items())
                       for k in sorted(probes)),
+            " / ".join(f"{statistics.mean(nll[k]):.2f}" for k in sorted(nll)) or None,
         ])
     return md_table(["run", "budget", "turns", "slots after turn 0", "slots at end", "slots once full (min–max)",
                      "KV MB in use turn 0", "in use at end", "allocated at end", "tokens seen", "s/turn (mean)", "s last turn",
-                     "recalled after N turns"], rows)
+                     "recalled after N turns", "answer NLL after N turns (nats/token, name+code)"], rows)
 
 
 def chat_plot(result: dict, path: Path) -> None:
