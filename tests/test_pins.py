@@ -1,5 +1,6 @@
 """Pinned memory: pin text of a conversation, keep it through evictions, unpin it."""
 
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -9,10 +10,13 @@ import torch
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import load_config
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
-from h2o_chat.ui.pin_panel import pins_html
+from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
 from h2o_chat.ui.provider import ModelProvider
 from h2o_chat.ui.settings import Settings
 
+from playwright.sync_api import expect
+
+from .browser_support import configure, gauge, open_app, running_app, send, show_settings, start_and_wait
 from .test_engine import feed
 
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
@@ -174,7 +178,7 @@ def test_matching_ignores_whitespace_and_keeps_characters_whole(smollm):
     assert session.cache.stats().held == 20 + pinned
 
 
-def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm):
+def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm, recwarn):
     model, tokenizer = smollm
     story = StorySession(model, tokenizer, cache=h2o(model, 8, 8), bible="Mira keeps the lighthouse.")
     "".join(story.send("The storm came at night.", pin=True, temperature=0, max_new_tokens=30))
@@ -187,6 +191,12 @@ def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm):
         story.send("", pin=True)
     assert story.cache.stats().held == 20 + bible.tokens + pin.tokens  # 12 pinned of 41 seen
     assert holders(story.cache, 0, 12) == [heads(story.cache)] * 12
+    # Edited at the start, the story is read into a fresh session: the view warns.
+    warn_dropped_pins(story)
+    assert "1 pin(s) dropped" in str(recwarn.pop(UserWarning).message)
+    warn_dropped_pins(StorySession(model, tokenizer, bible="Mira keeps the lighthouse."))
+    warn_dropped_pins(None)
+    assert not recwarn.list  # the bible alone is no loss
 
 
 def test_a_turn_that_fails_takes_its_pin_back(smollm):
@@ -244,7 +254,7 @@ def values_of(tab, state, changes=None):
 
 def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
     tab = chat_tab
-    assert tab.pins._on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == {}
+    assert tab.pins._on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "send a message first" in str(recwarn.pop(UserWarning).message)
 
     # Send with "pin this message" ticked: the box unticks, the panel lists the pin.
@@ -258,7 +268,7 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # A bad pin: a warning, nothing changes.
     spans = list(state.session.cache.spans.ranges)
-    assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == {}
+    assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == tab.pins.unchanged
     assert "does not occur" in str(recwarn.pop(UserWarning).message)
     assert state.session.cache.spans.ranges == spans
 
@@ -271,10 +281,10 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # While a reply streams, the panel refuses (a warning) instead of touching the cache.
     with state.running():
-        assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == {}
+        assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "still streaming" in str(recwarn.pop(UserWarning).message)
 
-    assert tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: None})) == {}
+    assert tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: None})) == tab.pins.unchanged
     assert "Choose a pin" in str(recwarn.pop(UserWarning).message)
     update = tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: choices[-1]}))
     assert 'data-count="2"' in update[tab.pins.list]
@@ -295,3 +305,40 @@ def test_rebuilding_a_chat_carries_its_pins(smollm, recwarn):
     assert "does not occur" in str(recwarn.pop(UserWarning).message)
     html = pins_html(state.session.pins(), state.session.cache.stats())
     assert "not read yet" in html and 'data-pinned="0"' in html
+
+
+def test_pin_panel_in_the_browser(browser):
+    """The real app: pin a message as it is sent, pin copied text, a refused pin warns
+    and leaves the panel working, unpin."""
+    with running_app() as url:
+        page = open_app(browser, url)
+        try:
+            configure(page, heavy=24, recent=24, max_new_tokens=8)
+            show_settings(page, False)
+            page.check("#chat-pin-message input")
+            send(page, "#chat-input", "#chat-send", FACT)
+            assert not page.is_checked("#chat-pin-message input")  # for one message only
+            assert pin_list(page)["count"] == "2"  # system prompt + the message
+
+            page.fill("#chat-pin-text textarea", "not in the chat")
+            page.click("#chat-pin")
+            expect(page.locator(".toast-body.warning")).to_contain_text("does not occur")
+            assert page.input_value("#chat-pin-text textarea") == "not in the chat"
+
+            page.fill("#chat-pin-text textarea", "Quentaro and my")
+            start_and_wait(page, "#chat-pin")
+            expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "3")
+            assert page.input_value("#chat-pin-text textarea") == ""
+            assert gauge(page, "chat-gauge")["budget"] == str(52 + int(pin_list(page)["pinned"]))
+
+            page.locator("#chat-unpin-choice input").click()
+            page.get_by_role("option", name=re.compile(r"^3: Quentaro and my")).click()
+            start_and_wait(page, "#chat-unpin")
+            expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "2")
+            assert page.locator(".toast-body.error").count() == 0  # no handler failed
+        finally:
+            page.context.close()
+
+
+def pin_list(page) -> dict[str, str]:
+    return page.locator("#chat-pin-list .pins").evaluate("e => ({...e.dataset})")

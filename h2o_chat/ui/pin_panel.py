@@ -31,7 +31,7 @@ TEXT_SHOWN = 80  # characters of a pin's text in the list
 
 def pin_message_checkbox(prefix: str) -> gr.Checkbox:
     """The "pin this message" box, built where the view puts it (by the send box)."""
-    return gr.Checkbox(False, label="📌 pin this message", min_width=60, scale=0,
+    return gr.Checkbox(False, label="pin this message", min_width=130, scale=0,
                        elem_id=f"{prefix}-pin-message")
 
 
@@ -81,6 +81,15 @@ def carry_pins(old: Session, new: Session) -> None:
             gr.Warning(html.escape(f"Pin {pin.id} was dropped: {err}"))
 
 
+def warn_dropped_pins(old: Session | None) -> None:
+    """Warn that ``old``'s pins go with it: a story whose start changed is read again into
+    a fresh cache, where the text is fed at once, too late to pin it before it is read."""
+    dropped = [p for p in old.pins() if not p.fixed] if old else []
+    if dropped:
+        gr.Warning(f"{len(dropped)} pin(s) dropped: the story was read again into a fresh "
+                   "cache. Pin their text again: what the cache holds still can be.")
+
+
 def _cut(text: str, limit: int = TEXT_SHOWN) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -113,6 +122,11 @@ class PinPanel:
         return {self.list: pins_html(pins, session.cache.stats()),
                 self.choice: gr.Dropdown(choices=unpin_choices(pins), value=None)}
 
+    @property
+    def unchanged(self) -> dict:
+        """A handler's "change nothing": Gradio reads an empty dict as one missing value."""
+        return {self.text: gr.skip()}
+
     def cleared(self) -> dict:
         """The panel of a view with no session yet."""
         return {self.list: "", self.choice: gr.Dropdown(choices=[], value=None)}
@@ -137,7 +151,7 @@ class PinPanel:
         choice = values[self.choice]
         if choice is None:
             gr.Warning("Choose a pin to unpin first.")
-            return {}
+            return self.unchanged
         return self._change(values, lambda session: session.unpin(int(choice)))
 
     def _change(self, values: dict, change: Callable[[Session], Pin], clear_text: bool = False) -> dict:
@@ -145,12 +159,12 @@ class PinPanel:
         state: ViewState | None = values[self._state]
         if state is None:
             gr.Warning("Nothing to pin yet: send a message first.")
-            return {}
+            return self.unchanged
         try:
             with state.running():
                 change(state.map_session())
                 update = self.render(state.map_session()) | self._refresh(values, state)
         except (ValueError, RuntimeError, gr.Error) as err:
             gr.Warning(html.escape(str(err)))
-            return {}
+            return self.unchanged
         return update | ({self.text: ""} if clear_text else {})

@@ -13,7 +13,7 @@ from h2o_chat.session import StorySession
 from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
-from .pin_panel import PinPanel
+from .pin_panel import PinPanel, warn_dropped_pins
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
@@ -111,6 +111,7 @@ class StoryTab:
         state = values[self.state]
         if state is None or not state.continues(bible, story):
             close_state(state)
+            warn_dropped_pins(state and state.session)
             state = StoryState(loaded, self.settings.cache(values), bible,
                                self.server.max_message_chars)
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
