@@ -16,7 +16,9 @@ from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
+from .view_state import (
+    ViewState, browser_state, close_state, generating, stop_state, unchanged, wait_for_model,
+)
 
 GAUGE_LABEL = "Token counter"
 
@@ -167,7 +169,7 @@ class ChatTab:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
         if index is None:
-            return {}
+            return unchanged(self.chatbot)
         with state.running():
             shown = state.shown()
             state.rebuild(shown[:index])

@@ -12,6 +12,7 @@ import pandas as pd
 from h2o_chat.fidelity import FidelityPoint, FidelityProbe
 
 from .retention import MAX_MAP_TOKENS
+from .view_state import unchanged
 
 AGREE, DIFFER = "same top token", "top token differs"
 _COLUMNS = ["token", "KL (nats)", "top-1"]
@@ -178,15 +179,15 @@ class FidelityPanel:
     def _on_select(self, state, event: gr.SelectData) -> dict:
         probe = state.probe if state else None
         if probe is None or not isinstance(event.index, (list, tuple)):
-            return {}
+            return unchanged(self.detail)
         point = pick_point(probe.points, *event.index[:2])
         if point is None:
-            return {}
+            return unchanged(self.detail)
         return self._on_step(state, point.position)
 
     def _on_step(self, state, step: float | None) -> dict:
         if state is None or state.probe is None:
-            return {}
+            return unchanged(self.detail)
         state.fidelity_step = None if step is None else int(step)
         points, tokens = list(state.probe.points), list(state.probe.session.tokens)
         since = len(tokens) - len(state.probe.session.reply)

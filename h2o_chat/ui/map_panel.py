@@ -11,7 +11,7 @@ from h2o_chat.cache import CacheStats
 from . import retention
 from .gauges import Gauge, gauge_html
 from .provider import LoadedModel
-from .view_state import ViewState
+from .view_state import ViewState, unchanged
 
 ALL = -1  # picker value for "every layer" / "every KV head"
 
@@ -51,7 +51,7 @@ class MapPanel:
         state: ViewState | None = values[self._state]
         snapshot = state.snapshot() if state else None
         if snapshot is None:
-            return {}
+            return unchanged(self.outputs[0])
         return self.render(state.loaded, snapshot.tokens, snapshot.stats.cache, values)
 
     @property

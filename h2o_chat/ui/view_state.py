@@ -31,6 +31,12 @@ def browser_state(server: ServerConfig) -> gr.State:
     return gr.State(None, delete_callback=close_state, time_to_live=server.idle_release_minutes * 60)
 
 
+def unchanged(output: gr.components.Component) -> dict:
+    """The update of a handler that has nothing to change. Not ``{}``: Gradio reads an
+    empty dict as missing values and marks every output as failed."""
+    return {output: gr.skip()}
+
+
 def wait_for_model(provider: ModelProvider) -> LoadedModel:
     """The model, once loaded; a message in the page if loading failed."""
     try:
