@@ -200,8 +200,7 @@ class H2OLayer(CacheLayerMixin):
         capacity = self.policy.capacity
         if capacity is None:
             return
-        # Pinned slots are never evicted, so every head of every row holds the same number.
-        n_pinned = int(self.pinned[0, 0].sum())
+        n_pinned = self.pinned_slots
         n_free = self.held - n_pinned
         if n_free <= capacity:
             return
@@ -212,6 +211,12 @@ class H2OLayer(CacheLayerMixin):
         chosen = free.gather(-1, chosen.expand(*free.shape[:-1], -1))
         keep = self.pinned.scatter(-1, chosen, True)
         self._compact(keep, self.held - (n_free - capacity))
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slots held by protected tokens; never evicted, so every head of every row holds
+        the same number."""
+        return int(self.pinned[0, 0].sum())
 
     def _compact(self, keep: torch.Tensor, new_held: int) -> None:
         """Move the kept slots that lie past ``new_held`` into the dropped slots before it.
@@ -250,7 +255,7 @@ class H2OLayer(CacheLayerMixin):
         # slots and the incoming tokens.
         size = max(slots, 2 * size)
         if self.policy.capacity is not None:
-            peak = self.policy.capacity + int(self.pinned[0, 0].sum()) + slots - self.held
+            peak = self.policy.capacity + self.pinned_slots + slots - self.held
             size = max(slots, min(size, peak))
 
         def grow(t: torch.Tensor) -> torch.Tensor:
@@ -436,7 +441,7 @@ class H2OCache(Cache):
     def stats(self) -> CacheStats:
         capacity = self.policy.capacity
         first = self.layers[0]
-        pinned = int(first.pinned[0, 0].sum()) if first.is_initialized else 0
+        pinned = first.pinned_slots if first.is_initialized else 0
         layers = [
             LayerStats(
                 held=layer.held,
@@ -544,7 +549,7 @@ def make_cache(model, policy: str = "h2o", rolling: bool = False, **budgets: int
     chosen = make_policy(policy, **budgets)
     context = getattr(config, "max_position_embeddings", None)
     if chosen.capacity is not None and context and chosen.capacity > context:
-        parts = " + ".join(f"{k} {v}" for k, v in chosen.describe().items() if k != "policy")
+        parts = " + ".join(f"{k} {v}" for k, v in chosen.describe().items() if k in ("heavy", "recent", "sink"))
         raise ConfigError(
             f"cache budget {parts} = {chosen.capacity} slots: must be at most the "
             f"model's context of {context} tokens (max_position_embeddings)", field="cache.heavy")

@@ -477,6 +477,7 @@ class ChatSession(Session):
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
+
 def _short(text: str, limit: int = 60) -> str:
     """``text`` cut to ``limit`` characters for a message."""
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -17,9 +17,10 @@ import time
 import psutil
 import torch
 
-from h2o_chat import ChatSession, load_model, make_cache
+from h2o_chat import ChatSession, load_model
 from h2o_chat.bench.data import mt_bench_questions
 from h2o_chat.config import load_config
+from h2o_chat.ui.settings import new_cache
 
 REPORTED = {1, 10, 100}
 
@@ -32,8 +33,7 @@ def main(turns: int = 300, max_new_tokens: int = 16) -> None:
     config = load_config()
     model, tokenizer = load_model(config.model)
     cache = config.cache
-    session = ChatSession(model, tokenizer, make_cache(model, cache.policy, heavy=cache.heavy,
-                                                       recent=cache.recent, sink=cache.sink),
+    session = ChatSession(model, tokenizer, new_cache(model, cache),
                           system_prompt=config.generation.system_prompt,
                           prefill_chunk_size=cache.prefill_chunk_size)
     questions = [turn for q in mt_bench_questions() for turn in q["turns"]]

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from h2o_chat import ChatSession, make_cache
+from h2o_chat import ChatSession
 from h2o_chat.config import load_config
+from h2o_chat.ui.settings import new_cache
 
 from .browser_support import DONE_TIMEOUT_MS, configure, messages, open_app, running_app
 
@@ -47,8 +48,7 @@ def _alone(model, tokenizer, questions: list[str]) -> list[str]:
     """The replies of the same conversation run alone, as the app runs it by default."""
     config = load_config()
     cache = config.cache
-    session = ChatSession(model, tokenizer, make_cache(model, cache.policy, heavy=cache.heavy,
-                                                       recent=cache.recent, sink=cache.sink),
+    session = ChatSession(model, tokenizer, new_cache(model, cache),
                           system_prompt=config.generation.system_prompt,
                           prefill_chunk_size=cache.prefill_chunk_size)
     return ["".join(session.send(q, temperature=0, max_new_tokens=MAX_NEW_TOKENS)) for q in questions]
