@@ -4,10 +4,12 @@ Data path per attention call: the model calls ``H2OCache.update`` -> ``H2OLayer.
 appends the new keys/values (score 0) and marks itself as the layer awaiting attention in
 this thread -> the registered attention function (``attention.py``) computes the softmax
 probabilities and calls ``H2OLayer.after_attention`` with the mass each slot received ->
-the layer adds it to the accumulated scores and evicts down to budget.
+the layer adds it to the accumulated scores -> after the last layer of its ``SlotGroup``
+(neighbouring layers with stacked buffers), the group evicts down to budget, every layer
+by its own scores.
 
-Every layer holds its slots in temporal order, per batch row and KV head, with their
-absolute positions, so stats and tests can say exactly which tokens are kept.
+Every layer keeps, per batch row and KV head, the absolute position of each slot, so
+stats and tests can say exactly which tokens are kept.
 """
 
 from __future__ import annotations
@@ -48,13 +50,141 @@ class ProtectedSpans:
         return inside
 
 
+def _grown_size(size: int, slots: int, held: int, capacity: int | None, pinned: int) -> int:
+    """Buffer size for ``slots`` slots. Geometric growth: a cache below its budget would
+    otherwise reallocate and copy every buffer at every token. A bounded cache stops at
+    its peak (budget, pinned slots and the incoming tokens) and never grows after that."""
+    grown = max(slots, 2 * size)
+    if capacity is not None:
+        grown = max(slots, min(grown, capacity + pinned + slots - held))
+    return grown
+
+
+def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPolicy,
+                rope: RopeShifter | None) -> int:
+    """Evict the slots ``policy`` drops from ``buffers`` (``(batch, heads, size, ...)``,
+    the first ``held`` slots in use) and return the new number of slots held.
+
+    ``heads`` may be the KV heads of one layer or of several stacked layers: the policy
+    decides per head, so one call serves a whole ``SlotGroup``.
+    """
+    capacity = policy.capacity
+    if capacity is None:
+        return held
+    pinned = buffers["pinned"][:, :, :held]
+    n_pinned = int(pinned[0, 0].sum())
+    n_free = held - n_pinned
+    if n_free <= capacity:
+        return held
+    positions = buffers["positions"][:, :, :held]
+    scores = buffers["scores"][:, :, :held]
+    drop = policy.drop_one(scores, positions) if n_pinned == 0 and n_free == capacity + 1 else None
+    if drop is not None:
+        # The last slot moves into the dropped one (onto itself where it is the one).
+        for buffer in buffers.values():
+            index = drop.view(*drop.shape, *[1] * (buffer.dim() - 3)).expand(*drop.shape, *buffer.shape[3:])
+            buffer.scatter_(2, index, buffer[:, :, held - 1 : held].clone())
+        if rope is not None:
+            _roll_to_ranks(buffers, held - 1, rope)
+        return held - 1
+    # The policy sees the evictable slots oldest first (pinned ones sort last).
+    order_key = positions.masked_fill(pinned, torch.iinfo(torch.long).max)
+    free = order_key.argsort(dim=-1)[..., :n_free]
+    chosen = policy.keep(scores.gather(-1, free), positions.gather(-1, free))
+    chosen = free.gather(-1, chosen.expand(*free.shape[:-1], -1))
+    keep = pinned.scatter(-1, chosen, True)
+    new_held = held - (n_free - capacity)
+    # Slots are not kept in temporal order: the kept slots past ``new_held`` move into the
+    # dropped slots before it. Per head both are equally many, and ``nonzero`` lists them
+    # in (row, head, slot) order, so the j-th hole of a head pairs with its j-th mover.
+    holes = (~keep[..., :new_held]).nonzero(as_tuple=True)
+    movers = keep[..., new_held:held].nonzero(as_tuple=True)
+    movers = (movers[0], movers[1], movers[2] + new_held)
+    for buffer in buffers.values():
+        buffer[holes] = buffer[movers]
+    if rope is not None:
+        _roll_to_ranks(buffers, new_held, rope)
+    return new_held
+
+
+def _roll_to_ranks(buffers: dict[str, torch.Tensor], held: int, rope: RopeShifter) -> None:
+    """Move every kept key to its temporal rank among the held slots."""
+    order = buffers["positions"][:, :, :held].argsort(dim=-1)
+    ranks = torch.arange(held, device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
+    rotated_at = buffers["rotated_at"][:, :, :held]
+    keys = buffers["keys"][:, :, :held]
+    keys.copy_(rope.shift(keys, rank - rotated_at))
+    rotated_at.copy_(rank)
+
+
+class SlotGroup:
+    """The buffers of consecutive layers, stacked: ``(batch, layers, kv_heads, size, ...)``.
+
+    Each member layer's buffers are views of its row. After the last member's attention
+    the whole group is evicted in one ``evict_slots`` call, with the layers' KV heads side
+    by side; evicting layer by layer cost a few dozen small tensor ops per layer and per
+    decoded token, which made H2O slower than sdpa at short contexts.
+
+    A layer starts alone in a group of one; ``H2OCache`` stacks neighbours on the same
+    device once every layer has its first tokens (see ``H2OCache.update``).
+    """
+
+    def __init__(self, layers: list[H2OLayer], buffers: dict[str, torch.Tensor]) -> None:
+        self.layers, self.buffers = layers, buffers
+        for index, layer in enumerate(layers):
+            layer.group = self
+            layer._buffers = {name: t[:, index] for name, t in buffers.items()}
+            layer._refresh_views()
+
+    @classmethod
+    def stack(cls, layers: list[H2OLayer]) -> SlotGroup:
+        """One group holding what ``layers`` (initialized, alike in shape and device) hold."""
+        size = max(layer.size for layer in layers)
+        buffers = {}
+        for name, t in layers[0]._buffers.items():
+            stacked = t.new_zeros((t.shape[0], len(layers), t.shape[1], size, *t.shape[3:]))
+            for index, layer in enumerate(layers):
+                stacked[:, index, :, : layer.held] = getattr(layer, name)
+            buffers[name] = stacked
+        return cls(layers, buffers)
+
+    def resize(self, size: int) -> None:
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            bigger = t.new_zeros((*t.shape[:3], size, *t.shape[4:]))
+            kept = min(size, t.shape[3])
+            bigger[:, :, :, :kept] = t[:, :, :, :kept]
+            return bigger
+
+        self.__init__(self.layers, {name: grow(t) for name, t in self.buffers.items()})
+
+    def dissolve(self) -> None:
+        """Give every member a group of its own (a copy of its row)."""
+        for index, layer in enumerate(self.layers):
+            SlotGroup([layer], {name: t[:, index : index + 1].clone() for name, t in self.buffers.items()})
+
+    def evict(self) -> None:
+        """Evict every member down to budget, runs of members holding the same number of
+        slots at once (all of them, unless a forward pass failed midway)."""
+        layers, start = self.layers, 0
+        for end in range(1, len(layers) + 1):
+            if end < len(layers) and layers[end].held == layers[start].held:
+                continue
+            flat = {name: t[:, start:end].flatten(1, 2) for name, t in self.buffers.items()}
+            held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].rope)
+            for layer in layers[start:end]:
+                layer.held = held
+                layer._refresh_views()
+            start = end
+
+
 class H2OLayer(CacheLayerMixin):
     """One layer's slots: keys, values, accumulated scores, absolute positions and flags.
 
-    Each lives in a preallocated buffer with slots on dim 2; the attributes ``keys``,
-    ``values``, ``scores`` (float32), ``positions``, ``valid`` (False for padding) and
-    ``pinned`` are views of the ``held`` slots in use. Shapes: keys/values
-    ``(batch, kv_heads, held, head_dim)``, the others ``(batch, kv_heads, held)``.
+    The attributes ``keys``, ``values``, ``scores`` (float32), ``positions``, ``valid``
+    (False for padding) and ``pinned`` are views of the ``held`` slots in use of buffers
+    that the layer's ``SlotGroup`` owns. Shapes: keys/values ``(batch, kv_heads, held,
+    head_dim)``, the others ``(batch, kv_heads, held)``.
 
     With position rolling (``rope`` given), keys are not kept at their absolute positions
     but at their temporal rank among the held slots (``rotated_at``), and each call's
@@ -77,6 +207,7 @@ class H2OLayer(CacheLayerMixin):
         self.policy = policy
         self.spans = spans
         self.rope = rope
+        self.group: SlotGroup | None = None
         self.query_shift = 0  # rolling: positions to move this call's queries by
         self.seen = 0
         self.held = 0
@@ -94,19 +225,19 @@ class H2OLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads = key_states.shape[:2]
-        slots = (batch, heads, 0)
-        self._buffers = {
-            "keys": key_states.new_empty((batch, heads, 0, key_states.shape[-1])),
-            "values": value_states.new_empty((batch, heads, 0, value_states.shape[-1])),
+        slots = (batch, 1, heads, 0)
+        buffers = {
+            "keys": key_states.new_empty((*slots, key_states.shape[-1])),
+            "values": value_states.new_empty((*slots, value_states.shape[-1])),
             "scores": torch.zeros(slots, dtype=torch.float32, device=self.device),
             "positions": torch.zeros(slots, dtype=torch.long, device=self.device),
             "valid": torch.ones(slots, dtype=torch.bool, device=self.device),
             "pinned": torch.zeros(slots, dtype=torch.bool, device=self.device),
         }
         if self.rope is not None:
-            self._buffers["rotated_at"] = torch.zeros(slots, dtype=torch.long, device=self.device)
+            buffers["rotated_at"] = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.held = 0
-        self._refresh_views()
+        SlotGroup([self], buffers)
         self.is_initialized = True
 
     def update(
@@ -116,7 +247,7 @@ class H2OLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         elif layer_awaiting_attention() is self:
             # The previous call never reached our attention function (an exception in
-            # between); evict now so the cache stays bounded regardless.
+            # between); finish it now so the cache stays bounded regardless.
             self.after_attention(None)
         new = key_states.shape[2]
         self._reserve(self.held + new)
@@ -151,6 +282,9 @@ class H2OLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self.group is not None and len(self.group.layers) > 1:
+            self.group.dissolve()
+        self.group = None
         self._buffers = {}
         self.keys = self.values = None
         self.scores = self.positions = self.valid = self.pinned = None
@@ -190,27 +324,12 @@ class H2OLayer(CacheLayerMixin):
 
     def after_attention(self, received: torch.Tensor | None) -> None:
         """Add the attention mass each slot just received, ``(batch, kv_heads, slots)``
-        float32 or None, then evict down to budget."""
+        float32 or None; the last layer of the group then evicts the group to budget."""
         _awaiting.layer = None
         if received is not None:
             self.scores += received
-        self._evict()
-
-    def _evict(self) -> None:
-        capacity = self.policy.capacity
-        if capacity is None:
-            return
-        n_pinned = self.pinned_slots
-        n_free = self.held - n_pinned
-        if n_free <= capacity:
-            return
-        # The policy sees the evictable slots oldest first (pinned ones sort last).
-        order_key = self.positions.masked_fill(self.pinned, torch.iinfo(torch.long).max)
-        free = order_key.argsort(dim=-1)[..., :n_free]
-        chosen = self.policy.keep(self.scores.gather(-1, free), self.positions.gather(-1, free))
-        chosen = free.gather(-1, chosen.expand(*free.shape[:-1], -1))
-        keep = self.pinned.scatter(-1, chosen, True)
-        self._compact(keep, self.held - (n_free - capacity))
+        if self is self.group.layers[-1]:
+            self.group.evict()
 
     @property
     def pinned_slots(self) -> int:
@@ -218,52 +337,16 @@ class H2OLayer(CacheLayerMixin):
         the same number."""
         return int(self.pinned[0, 0].sum())
 
-    def _compact(self, keep: torch.Tensor, new_held: int) -> None:
-        """Move the kept slots that lie past ``new_held`` into the dropped slots before it.
-
-        Per head, the dropped slots before ``new_held`` and the kept slots after it are
-        equally many; ``nonzero`` lists both in (row, head, slot) order, so the j-th hole
-        of a head pairs with the j-th mover of the same head.
-        """
-        holes = (~keep[..., :new_held]).nonzero(as_tuple=True)
-        movers = keep[..., new_held:].nonzero(as_tuple=True)
-        movers = (movers[0], movers[1], movers[2] + new_held)
-        for buffer in self._buffers.values():
-            buffer[holes] = buffer[movers]
-        self.held = new_held
-        self._refresh_views()
-        if self.rope is not None:
-            self._roll_to_ranks()
-
-    def _roll_to_ranks(self) -> None:
-        """Move every kept key to its temporal rank among the held slots."""
-        order = self.positions.argsort(dim=-1)
-        ranks = torch.arange(self.held, device=self.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(-1, order, ranks)
-        shift = rank - self.rotated_at
-        self.keys.copy_(self.rope.shift(self.keys, shift))
-        self.rotated_at.copy_(rank)
+    @property
+    def size(self) -> int:
+        """Slots the buffers have room for."""
+        return self._buffers["keys"].shape[2]
 
     def _reserve(self, slots: int) -> None:
-        """Grow the buffers to hold ``slots``; a bounded cache reaches its peak size (budget
+        """Make room for ``slots`` slots: a bounded cache reaches its peak size (budget
         plus one prefill chunk) once and never reallocates after that."""
-        size = self._buffers["keys"].shape[2]
-        if slots <= size:
-            return
-        # Geometric growth: a cache below its budget would otherwise reallocate and copy
-        # every buffer at every token. A bounded one stops at its peak: budget, pinned
-        # slots and the incoming tokens.
-        size = max(slots, 2 * size)
-        if self.policy.capacity is not None:
-            peak = self.policy.capacity + self.pinned_slots + slots - self.held
-            size = max(slots, min(size, peak))
-
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            bigger = t.new_zeros((*t.shape[:2], size, *t.shape[3:]))
-            bigger[:, :, : self.held] = t[:, :, : self.held]
-            return bigger
-
-        self._buffers = {name: grow(t) for name, t in self._buffers.items()}
+        if slots > self.size:
+            self.group.resize(_grown_size(self.size, slots, self.held, self.policy.capacity, self.pinned_slots))
 
     def _refresh_views(self) -> None:
         for name, buffer in self._buffers.items():
@@ -271,8 +354,9 @@ class H2OLayer(CacheLayerMixin):
 
     def _map_buffers(self, fn) -> None:
         if self.is_initialized:
-            self._buffers = {name: fn(t) for name, t in self._buffers.items()}
-            self._refresh_views()
+            if len(self.group.layers) > 1:
+                self.group.dissolve()
+            SlotGroup([self], {name: fn(t) for name, t in self.group.buffers.items()})
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer this layer holds, including room reserved for new tokens."""
@@ -284,7 +368,7 @@ class H2OLayer(CacheLayerMixin):
         """The held slots of every buffer (on the CPU, in slot order) and the counters a
         fresh layer needs to continue exactly like this one (see ``load_state``)."""
         info = {"initialized": self.is_initialized, "seen": self.seen, "held": self.held,
-                "size": self._buffers["keys"].shape[2] if self.is_initialized else 0,
+                "size": self.size if self.is_initialized else 0,
                 "has_padding": self.has_padding}
         tensors = {name: view.detach().cpu().contiguous()
                    for name in self._buffers if (view := getattr(self, name)) is not None}
@@ -332,13 +416,12 @@ class H2OLayer(CacheLayerMixin):
         held = self.held = info["held"]
 
         def allocate(t: torch.Tensor) -> torch.Tensor:
-            buffer = t.new_zeros((*t.shape[:2], info["size"], *t.shape[3:]), device=self.device)
-            buffer[:, :, :held] = t
+            buffer = t.new_zeros((t.shape[0], 1, t.shape[1], info["size"], *t.shape[3:]), device=self.device)
+            buffer[:, 0, :, :held] = t
             return buffer
 
-        self._buffers = {name: allocate(t) for name, t in tensors.items()}
+        SlotGroup([self], {name: allocate(t) for name, t in tensors.items()})
         self.seen, self.has_padding = info["seen"], info["has_padding"]
-        self._refresh_views()
         self.is_initialized = True
 
 
@@ -380,6 +463,46 @@ class H2OCache(Cache):
     def seen(self) -> int:
         return self.layers[0].seen
 
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            self._stack_layers()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _stack_layers(self) -> None:
+        """Put each run of neighbouring layers that share device, dtype and shapes into one
+        ``SlotGroup`` (all layers, on one device), so the run evicts at once. Runs are
+        maximal, so an existing group always lies inside one run."""
+        layers = self.layers
+        if len(layers[0].group.layers if layers[0].group else ()) == len(layers):
+            return
+
+        def alike(layer: H2OLayer) -> tuple | None:
+            if not layer.is_initialized:
+                return None
+            keys, values = layer._buffers["keys"], layer._buffers["values"]
+            return (keys.device, keys.dtype, keys.shape[:2], keys.shape[3:], values.shape[3:])
+
+        start = 0
+        for end in range(1, len(layers) + 1):
+            if end < len(layers) and alike(layers[end]) == alike(layers[start]):
+                continue
+            run = layers[start:end]
+            if alike(run[0]) is not None and run[0].group.layers != run:
+                SlotGroup.stack(run)
+            start = end
+
+    def _evict_all(self) -> None:
+        groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
+        for group in groups.values():
+            group.evict()
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.group = None  # every layer is emptied: nothing to hand back to the others
+        super().reset()
+
     def protect(self, start: int, end: int) -> None:
         """Never evict tokens at absolute positions ``[start, end)``.
 
@@ -409,9 +532,7 @@ class H2OCache(Cache):
                              f"{self.spans.ranges}") from None
         self._refresh_pinned()
         with torch.inference_mode():
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer._evict()
+            self._evict_all()
 
     def evicted(self, start: int, end: int) -> list[int]:
         """The positions in ``[start, end)``, among the tokens seen so far, that some layer,
@@ -521,6 +642,7 @@ class H2OCache(Cache):
             raise ValueError(f"protected spans {info['protected']!r} must be pairs of integers >= 0")
         for index, layer in enumerate(self.layers):
             layer.load_state(per_layer[index], info["layers"][index], device)
+        self._stack_layers()
         self.spans.ranges[:] = spans  # in place: the layers share this object
 
 

@@ -37,6 +37,18 @@ class EvictionPolicy:
         """
         raise NotImplementedError
 
+    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The slot to evict, ``(batch, kv_heads, 1)``, when exactly one slot is over budget
+        and none is pinned, as at every decode step; or None to use ``keep``.
+
+        Unlike ``keep``, slots come in any order (the cache's memory order), so the answer
+        costs no sort. It must name the slot that ``keep`` would drop. With nothing pinned
+        the sink slots are exactly positions ``0..sink-1`` and the recent window the last
+        ``recent`` positions: every policy here keeps both windows, so no token in them was
+        ever evicted.
+        """
+        return None
+
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name}
 
@@ -74,6 +86,9 @@ class RecentPolicy(EvictionPolicy):
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return window_indices(scores.shape[-1], 0, self.recent, scores.device)
 
+    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return positions.argmin(dim=-1, keepdim=True)
+
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "recent": self.recent}
 
@@ -92,6 +107,11 @@ class SinkPolicy(EvictionPolicy):
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return window_indices(scores.shape[-1], self.sink, self.recent, scores.device)
+
+    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # The oldest token past the sink: the one leaving the recent window.
+        past_sink = positions.masked_fill(positions < self.sink, torch.iinfo(positions.dtype).max)
+        return past_sink.argmin(dim=-1, keepdim=True)
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "sink": self.sink, "recent": self.recent}
@@ -136,6 +156,16 @@ class H2OPolicy(EvictionPolicy):
         heavy = order[..., : self.heavy] + self.sink
         window = window_indices(n, self.sink, self.recent, scores.device)
         return torch.cat([window.expand(*scores.shape[:-1], -1), heavy], dim=-1)
+
+    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        newest = positions.amax(dim=-1, keepdim=True)
+        if self.norm == "mean":
+            scores = scores / (newest + 1 - positions).clamp(min=1).to(scores.dtype)
+        middle = (positions >= self.sink) & (positions <= newest - self.recent)
+        scores = scores.masked_fill(~middle, float("inf"))
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        # The newest of equally low slots, as ``keep`` drops.
+        return positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
 
     def describe(self) -> dict[str, int | str]:
         described = {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}

@@ -218,6 +218,31 @@ def test_equal_length_batch_equals_rows_alone(tiny_model):
         torch.testing.assert_close(batch[row : row + 1], alone, rtol=1e-4, atol=1e-4)
 
 
+def test_layers_evict_as_one_stacked_group_and_row_selection_splits_it(tiny_model):
+    """From the second forward pass every layer's buffers are rows of one stacked group
+    (evicted at once); picking batch rows (as beam search and generate do) gives each
+    layer its own copy, and the next pass stacks them again, rows unchanged."""
+    torch.manual_seed(7)
+    ids = torch.randint(0, 128, (2, 60))
+    budgets = dict(heavy=8, recent=8, sink=2)
+    batch = make_cache(tiny_model, "h2o", **budgets)
+    feed(tiny_model, batch, ids, 16)
+    group = batch.layers[0].group
+    assert len(batch.layers) > 1 and all(layer.group is group for layer in batch.layers)
+    alone = make_cache(tiny_model, "h2o", **budgets)
+    feed(tiny_model, alone, ids[1:], 16)
+    batch.batch_select_indices(torch.tensor([1]))
+    assert len({id(layer.group) for layer in batch.layers}) == len(batch.layers)
+    for layer, single in zip(batch.stats().layers, alone.stats().layers):
+        assert torch.equal(layer.positions, single.positions)
+    steps = torch.randint(0, 128, (1, 12))
+    torch.testing.assert_close(feed(tiny_model, batch, steps, 1), feed(tiny_model, alone, steps, 1),
+                               rtol=1e-4, atol=1e-4)
+    assert all(layer.group is batch.layers[0].group for layer in batch.layers)
+    for layer, single in zip(batch.stats().layers, alone.stats().layers):
+        assert torch.equal(layer.positions, single.positions)
+
+
 def test_padded_batch_is_refused_with_eviction_but_fine_with_full(tiny_model):
     ids = torch.randint(1, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
@@ -269,3 +294,33 @@ def test_one_slot_over_budget_drops_what_the_full_sort_drops():
                 middle = list(range(2, 8))
                 ranked = sorted(middle, key=lambda p: (-float(scores[b, h, p]), p))
                 assert kept[b, h].tolist() == sorted(set(range(11)) - {ranked[-1]})
+
+
+@pytest.mark.parametrize("name", ["h2o", "h2o mean", "recent", "sink"])
+def test_drop_one_names_the_slot_that_keep_drops(name):
+    """The decode path without a sort: slots in any memory order, scores full of ties; the
+    slot ``drop_one`` names holds the token that the general rule (``keep``, on slots in
+    temporal order) drops."""
+    from h2o_chat.policies import make_policy
+
+    policy = make_policy(name.split()[0], heavy=5, recent=3, sink=2,
+                         score_norm="mean" if "mean" in name else "sum")
+    sink, recent = getattr(policy, "sink", 0), policy.recent
+    generator = torch.Generator().manual_seed(5)
+    seen, n = 40, policy.capacity + 1
+    for _ in range(30):
+        positions = torch.empty(2, 3, n, dtype=torch.long)
+        for b in range(2):
+            for h in range(3):
+                # What a cache holds with nothing pinned: the sink, some older tokens and
+                # the recent window, in a shuffled slot order.
+                older = torch.randperm(seen - recent - sink, generator=generator)[: n - sink - recent] + sink
+                held = torch.cat([torch.arange(sink), older, torch.arange(seen - recent, seen)])
+                positions[b, h] = held[torch.randperm(n, generator=generator)]
+        scores = torch.randint(0, 3, (2, 3, n), generator=generator).float()
+        order = positions.argsort(dim=-1)
+        kept = order.gather(-1, policy.keep(scores.gather(-1, order), positions.gather(-1, order))
+                            .expand(2, 3, -1))
+        dropped = torch.ones(2, 3, n, dtype=torch.bool).scatter(-1, kept, False)
+        assert dropped.sum(-1).eq(1).all()
+        assert torch.equal(policy.drop_one(scores, positions), dropped.int().argmax(-1, keepdim=True))
