@@ -473,9 +473,13 @@ class H2OCache(Cache):
     def _stack_layers(self) -> None:
         """Put each run of neighbouring layers that share device, dtype and shapes into one
         ``SlotGroup`` (all layers, on one device), so the run evicts at once. Runs are
-        maximal, so an existing group always lies inside one run."""
+        maximal, so an existing group always lies inside one run.
+
+        A cache that never evicts stays unstacked: it would gain nothing, and every time
+        it grows a stacked group holds the old and the new buffers of all layers at once.
+        """
         layers = self.layers
-        if len(layers[0].group.layers if layers[0].group else ()) == len(layers):
+        if self.policy.capacity is None or len(layers[0].group.layers if layers[0].group else ()) == len(layers):
             return
 
         def alike(layer: H2OLayer) -> tuple | None:
