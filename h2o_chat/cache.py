@@ -126,13 +126,19 @@ class SlotGroup:
     by side; evicting layer by layer cost a few dozen small tensor ops per layer and per
     decoded token, which made H2O slower than sdpa at short contexts.
 
-    A layer starts alone in a group of one; ``H2OCache`` stacks neighbours on the same
-    device once every layer has its first tokens (see ``H2OCache.update``).
+    A layer starts alone in a group of one; in a cache that evicts, ``H2OCache`` stacks
+    neighbours on the same device once every layer has its first tokens (see
+    ``H2OCache.update``).
     """
 
     def __init__(self, layers: list[H2OLayer], buffers: dict[str, torch.Tensor]) -> None:
-        self.layers, self.buffers = layers, buffers
-        for index, layer in enumerate(layers):
+        self.layers = layers
+        self._adopt(buffers)
+
+    def _adopt(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Hold ``buffers`` and point every member's views at its row."""
+        self.buffers = buffers
+        for index, layer in enumerate(self.layers):
             layer.group = self
             layer._buffers = {name: t[:, index] for name, t in buffers.items()}
             layer._refresh_views()
@@ -150,13 +156,14 @@ class SlotGroup:
         return cls(layers, buffers)
 
     def resize(self, size: int) -> None:
+        """Give every member room for ``size`` slots, keeping what it holds."""
         def grow(t: torch.Tensor) -> torch.Tensor:
             bigger = t.new_zeros((*t.shape[:3], size, *t.shape[4:]))
             kept = min(size, t.shape[3])
             bigger[:, :, :, :kept] = t[:, :, :, :kept]
             return bigger
 
-        self.__init__(self.layers, {name: grow(t) for name, t in self.buffers.items()})
+        self._adopt({name: grow(t) for name, t in self.buffers.items()})
 
     def dissolve(self) -> None:
         """Give every member a group of its own (a copy of its row)."""
@@ -170,7 +177,8 @@ class SlotGroup:
         for end in range(1, len(layers) + 1):
             if end < len(layers) and layers[end].held == layers[start].held:
                 continue
-            flat = {name: t[:, start:end].flatten(1, 2) for name, t in self.buffers.items()}
+            # A view (never a copy), so evicting it evicts the members.
+            flat = {name: t[:, start:end].view(t.shape[0], -1, *t.shape[3:]) for name, t in self.buffers.items()}
             held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].rope)
             for layer in layers[start:end]:
                 layer.held = held
