@@ -243,6 +243,27 @@ def test_layers_evict_as_one_stacked_group_and_row_selection_splits_it(tiny_mode
         assert torch.equal(layer.positions, single.positions)
 
 
+def test_a_forward_failing_midway_leaves_every_layer_back_at_budget_after_the_next(tiny_model):
+    """A failed pass leaves the first layers one token ahead; the stacked group then
+    evicts its runs of equal size separately, and every layer is back at budget."""
+    cache = make_cache(tiny_model, "h2o", heavy=8, recent=8, sink=2)
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 40)), 8)
+    layer = cache.layers[1]
+    update = layer.update
+
+    def failing_update(*args, **kwargs):
+        layer.update = update
+        raise RuntimeError("injected failure")
+
+    layer.update = failing_update
+    with pytest.raises(RuntimeError, match="injected"):
+        feed(tiny_model, cache, torch.randint(0, 128, (1, 1)), 1)
+    assert [l.held for l in cache.layers] == [19, 18, 18]
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 1)), 1)
+    assert [l.held for l in cache.layers] == [18, 18, 18]
+    assert [l.seen for l in cache.layers] == [42, 41, 41]
+
+
 def test_padded_batch_is_refused_with_eviction_but_fine_with_full(tiny_model):
     ids = torch.randint(1, 128, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
