@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="chat: reply length cap per turn")
     p.add_argument("--chat-budget", type=int, default=512, help="chat: cache slots (default 512)")
     p.add_argument("--tokens", type=int, help="rolling: book tokens streamed (past the model's 8192 trained context)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="continuation: tokens per prefill pass (default 256, the app's cache.prefill_chunk_size)")
     p.add_argument("--chunk", type=int, default=32, help="rolling: tokens fed per forward pass (default 32)")
     p.add_argument("--rolling-budget", type=int, default=512, help="rolling: cache slots (default 512)")
     p.add_argument("--variant", default=None,
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         passages = data.passages(tokenizer, args.passages, 1536 + 200)
         sets = (lambda slots: standard_variants(slots) + [extra(slots)]) if extra else None
         result = streaming.run_quality(model, tokenizer, passages, parse_budgets(args.budgets),
-                                       phases=quality, variant_sets=sets, log=log)
+                                       phases=quality, variant_sets=sets, chunk=args.prefill_chunk, log=log)
         machine = finish("streaming" if quality == ["streaming"] else "quality", result, started, load0)
         for phase in quality:
             body = report.quality_tables(result["records"], phase)

@@ -7,8 +7,9 @@ timed decode run of a config starts from the same state. Timed runs alternate be
 configs (order rotated each repeat) and are repeated; medians with min-max are reported.
 
 Configs: full (the fused sdpa kernel; no scores), h2o with 20% of the context, h2o with a
-fixed 512 slots, and h2o with a budget larger than the context (never evicts: the cost of
-score keeping alone, the explicit-softmax attention, against full with sdpa).
+fixed 512 slots, h2o with a budget larger than the context (never evicts: the cost of
+score keeping alone, the explicit-softmax attention, against full with sdpa), and stock
+transformers' ``DynamicCache`` with sdpa (what our full cache should cost no more than).
 Memory: KV bytes from the cache's own tensors, and the process RSS sampled every 2 ms
 (peak during the config's runs, and its growth over the RSS before them).
 """
@@ -23,6 +24,7 @@ import time
 
 import psutil
 import torch
+from transformers import DynamicCache
 
 from h2o_chat.cache import H2OCache, make_cache
 from h2o_chat.config import CacheConfig
@@ -75,7 +77,17 @@ def speed_configs(model, context: int, decode_tokens: int, sink: int = 4):
         ("h2o 20%", context // 5, h2o(context // 5)),
         ("h2o 512", 512, h2o(512)),
         ("h2o, budget > context", big, never_full(big)),
+        ("stock DynamicCache (sdpa)", None, lambda: DynamicCache(config=model.config)),
     ]
+
+
+def kv_numbers(cache) -> tuple[int, int, int]:
+    """Bytes allocated, bytes in use and slots held per layer, for our cache or a stock one."""
+    if isinstance(cache, H2OCache):
+        stats = cache.stats()
+        return stats.kv_bytes, stats.held_bytes, stats.held
+    nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return nbytes, nbytes, cache.get_seq_length()
 
 
 def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -128,7 +140,7 @@ def run(model, tokenizer, contexts: list[int], decode_tokens: int, repeats: int,
                 with RssSampler() as sampler:
                     decode_s[name].append(decode(model, work, logits, decode_tokens))
                 rss[name] = (max(rss[name][0], sampler.peak), max(rss[name][1], sampler.peak - sampler.start))
-                kv_after[name] = work.stats()
+                kv_after[name] = kv_numbers(work)
                 del work
                 loads.append(os.getloadavg()[0])
         full_tps = full_prefill = None
@@ -139,10 +151,10 @@ def run(model, tokenizer, contexts: list[int], decode_tokens: int, repeats: int,
                 "prefill_s": statistics.median(prefill_s[name]), "prefill_runs_s": prefill_s[name],
                 "decode_tok_s": statistics.median(tps), "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
                 "decode_runs_tok_s": tps,
-                "kv_mb": state[name][0].stats().kv_bytes / 2**20,
-                "held_mb": state[name][0].stats().held_bytes / 2**20,
-                "kv_mb_after_decode": kv_after[name].kv_bytes / 2**20,
-                "held_after_decode": kv_after[name].held,
+                "kv_mb": kv_numbers(state[name][0])[0] / 2**20,
+                "held_mb": kv_numbers(state[name][0])[1] / 2**20,
+                "kv_mb_after_decode": kv_after[name][0] / 2**20,
+                "held_after_decode": kv_after[name][2],
                 "peak_rss_mb": rss[name][0] / 2**20, "rss_growth_mb": rss[name][1] / 2**20,
             }
             if name.startswith("full"):
