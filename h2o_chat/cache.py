@@ -14,8 +14,10 @@ stats and tests can say exactly which tokens are kept.
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -132,14 +134,33 @@ class SlotGroup:
     """
 
     def __init__(self, layers: list[H2OLayer], buffers: dict[str, torch.Tensor]) -> None:
-        self.layers = layers
+        # Weak: members point at their group, and a cycle would keep a dropped cache's
+        # buffers alive until the garbage collector happens to run.
+        self._members = [weakref.ref(layer) for layer in layers]
         self._adopt(buffers)
+
+    @property
+    def layers(self) -> list[H2OLayer]:
+        return [member() for member in self._members]
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __deepcopy__(self, memo: dict) -> SlotGroup:
+        # copy.deepcopy would keep the weak references pointing at the original layers.
+        twin = SlotGroup.__new__(SlotGroup)
+        memo[id(self)] = twin
+        twin.buffers = copy.deepcopy(self.buffers, memo)
+        twin._members = [weakref.ref(copy.deepcopy(layer, memo)) for layer in self.layers]
+        return twin
 
     def _adopt(self, buffers: dict[str, torch.Tensor]) -> None:
         """Hold ``buffers`` and point every member's views at its row."""
         self.buffers = buffers
-        for index, layer in enumerate(self.layers):
+        layers = self.layers
+        for index, layer in enumerate(layers):
             layer.group = self
+            layer.closes_group = index == len(layers) - 1
             layer._buffers = {name: t[:, index] for name, t in buffers.items()}
             layer._refresh_views()
 
@@ -216,6 +237,7 @@ class H2OLayer(CacheLayerMixin):
         self.spans = spans
         self.rope = rope
         self.group: SlotGroup | None = None
+        self.closes_group = False  # the last member: its attention call evicts the group
         self.query_shift = 0  # rolling: positions to move this call's queries by
         self.seen = 0
         self.held = 0
@@ -290,7 +312,7 @@ class H2OLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        if self.group is not None and len(self.group.layers) > 1:
+        if self.group is not None and len(self.group) > 1:
             self.group.dissolve()
         self.group = None
         self._buffers = {}
@@ -336,7 +358,7 @@ class H2OLayer(CacheLayerMixin):
         _awaiting.layer = None
         if received is not None:
             self.scores += received
-        if self is self.group.layers[-1]:
+        if self.closes_group:
             self.group.evict()
 
     @property
@@ -362,7 +384,7 @@ class H2OLayer(CacheLayerMixin):
 
     def _map_buffers(self, fn) -> None:
         if self.is_initialized:
-            if len(self.group.layers) > 1:
+            if len(self.group) > 1:
                 self.group.dissolve()
             SlotGroup([self], {name: fn(t) for name, t in self.group.buffers.items()})
 
@@ -487,7 +509,7 @@ class H2OCache(Cache):
         it grows a stacked group holds the old and the new buffers of all layers at once.
         """
         layers = self.layers
-        if self.policy.capacity is None or len(layers[0].group.layers if layers[0].group else ()) == len(layers):
+        if self.policy.capacity is None or len(layers[0].group or ()) == len(layers):
             return
 
         def alike(layer: H2OLayer) -> tuple | None:

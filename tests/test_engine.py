@@ -243,6 +243,30 @@ def test_layers_evict_as_one_stacked_group_and_row_selection_splits_it(tiny_mode
         assert torch.equal(layer.positions, single.positions)
 
 
+def test_a_dropped_cache_is_freed_at_once_and_a_deep_copy_is_independent(tiny_model):
+    """No reference cycle holds a cache's buffers until the garbage collector runs (a
+    closed chat frees its memory at once), and a copy (probes, benchmarks) evicts alone."""
+    import copy
+    import gc
+    import weakref
+
+    for policy in ("h2o", "full"):
+        cache = make_cache(tiny_model, policy, heavy=8, recent=8)
+        feed(tiny_model, cache, torch.randint(0, 128, (1, 40)), 8)
+        kept = [layer.positions.clone() for layer in cache.layers]
+        twin = copy.deepcopy(cache)
+        feed(tiny_model, twin, torch.randint(0, 128, (1, 5)), 1)
+        assert [layer.seen for layer in twin.layers] == [45] * 3
+        assert all(torch.equal(k, layer.positions) for k, layer in zip(kept, cache.layers))
+        gc.disable()
+        try:
+            refs = [weakref.ref(c.layers[0]) for c in (cache, twin)]
+            del cache, twin
+            assert all(ref() is None for ref in refs), policy
+        finally:
+            gc.enable()
+
+
 def test_a_forward_failing_midway_leaves_every_layer_back_at_budget_after_the_next(tiny_model):
     """A failed pass leaves the first layers one token ahead; the stacked group then
     evicts its runs of equal size separately, and every layer is back at budget."""
