@@ -18,6 +18,18 @@ def feed(model, cache, ids, chunk):
         )
 
 
+def fail_next_update(layer) -> None:
+    """Make ``layer``'s next ``update`` raise once, so a forward pass fails after the
+    layers before it took the new tokens."""
+    update = layer.update
+
+    def failing_update(*args, **kwargs):
+        layer.update = update
+        raise RuntimeError("injected failure")
+
+    layer.update = failing_update
+
+
 def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None,
                              score_norm="sum"):
     """Prefill ``prompt`` in chunks, then decode greedily for ``steps`` tokens with the
@@ -272,14 +284,7 @@ def test_a_forward_failing_midway_leaves_every_layer_back_at_budget_after_the_ne
     evicts its runs of equal size separately, and every layer is back at budget."""
     cache = make_cache(tiny_model, "h2o", heavy=8, recent=8, sink=2)
     feed(tiny_model, cache, torch.randint(0, 128, (1, 40)), 8)
-    layer = cache.layers[1]
-    update = layer.update
-
-    def failing_update(*args, **kwargs):
-        layer.update = update
-        raise RuntimeError("injected failure")
-
-    layer.update = failing_update
+    fail_next_update(cache.layers[1])
     with pytest.raises(RuntimeError, match="injected"):
         feed(tiny_model, cache, torch.randint(0, 128, (1, 1)), 1)
     assert [l.held for l in cache.layers] == [19, 18, 18]

@@ -17,7 +17,7 @@ from h2o_chat.ui.settings import Settings
 from playwright.sync_api import expect
 
 from .browser_support import configure, gauge, open_app, running_app, send, show_settings, start_and_wait
-from .test_engine import feed
+from .test_engine import fail_next_update, feed
 
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
 FACT = "My name is Marisol Quentaro and my locker code is 4817."
@@ -202,14 +202,7 @@ def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm, recwarn):
 def test_a_turn_that_fails_takes_its_pin_back(smollm):
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, cache=h2o(model, 64, 64))
-    layer = session.cache.layers[3]
-    update = layer.update
-
-    def failing_update(*args, **kwargs):
-        layer.update = update
-        raise RuntimeError("injected failure")
-
-    layer.update = failing_update
+    fail_next_update(session.cache.layers[3])
     with pytest.raises(RuntimeError, match="injected"):
         "".join(session.send(FACT, pin=True, **GREEDY))
     assert [p.fixed for p in session.pins()] == ["system prompt"]

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.attention import ATTENTION_NAME
 
-from .test_engine import record_slots_attended
+from .test_engine import fail_next_update, record_slots_attended
 
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
 GREEDY = dict(temperature=0, max_new_tokens=24)
@@ -236,14 +236,7 @@ def test_a_failed_forward_leaves_the_session_usable(smollm):
     for chat in (session, control):
         assert "".join(chat.send("Hello!", **GREEDY)).strip()
     before = (list(session.tokens), [dict(m) for m in session.messages])
-    layer = session.cache.layers[12]
-    update = layer.update
-
-    def failing_update(*args, **kwargs):
-        layer.update = update
-        raise RuntimeError("injected failure")
-
-    layer.update = failing_update  # layers 0-11 take the chunk, then the forward fails
+    fail_next_update(session.cache.layers[12])  # layers 0-11 take the chunk, then the forward fails
     with pytest.raises(RuntimeError, match="injected"):
         "".join(session.send("What is 2 + 2?", **GREEDY))
     # The failed turn never happened, and every layer agrees again on what it has seen.
