@@ -146,13 +146,14 @@ def run(model, tokenizer, contexts: list[int], decode_tokens: int, repeats: int,
         full_tps = full_prefill = None
         for name, slots, _ in configs:
             tps = [decode_tokens / s for s in decode_s[name]]
+            allocated, in_use, _ = kv_numbers(state[name][0])
             row = {
                 "context": context, "config": name, "slots": slots,
                 "prefill_s": statistics.median(prefill_s[name]), "prefill_runs_s": prefill_s[name],
                 "decode_tok_s": statistics.median(tps), "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
                 "decode_runs_tok_s": tps,
-                "kv_mb": kv_numbers(state[name][0])[0] / 2**20,
-                "held_mb": kv_numbers(state[name][0])[1] / 2**20,
+                "kv_mb": allocated / 2**20,
+                "held_mb": in_use / 2**20,
                 "kv_mb_after_decode": kv_after[name][0] / 2**20,
                 "held_after_decode": kv_after[name][2],
                 "peak_rss_mb": rss[name][0] / 2**20, "rss_growth_mb": rss[name][1] / 2**20,
