@@ -187,7 +187,10 @@ class SlotGroup:
         self._adopt({name: grow(t) for name, t in self.buffers.items()})
 
     def dissolve(self) -> None:
-        """Give every member a group of its own (a copy of its row)."""
+        """Give every member a group of its own (a copy of its row); a group of one
+        already is one."""
+        if len(self) == 1:
+            return
         for index, layer in enumerate(self.layers):
             SlotGroup([layer], {name: t[:, index : index + 1].clone() for name, t in self.buffers.items()})
 
@@ -312,7 +315,7 @@ class H2OLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        if self.group is not None and len(self.group) > 1:
+        if self.group is not None:
             self.group.dissolve()
         self.group = None
         self._buffers = {}
@@ -384,8 +387,7 @@ class H2OLayer(CacheLayerMixin):
 
     def _map_buffers(self, fn) -> None:
         if self.is_initialized:
-            if len(self.group) > 1:
-                self.group.dissolve()
+            self.group.dissolve()
             SlotGroup([self], {name: fn(t) for name, t in self.group.buffers.items()})
 
     def allocated_bytes(self) -> int:
