@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -12,6 +14,28 @@ from h2o_chat.attention import ATTENTION_NAME
 from .reference import register_reference
 
 register_reference()
+
+REPO = Path(__file__).resolve().parents[1]
+_opened_outside: list[str] = []
+
+
+def _watch_opens(event: str, args: tuple) -> None:
+    """Note every file opened beside the repository (such as ../shared/data): a user who
+    clones the project has no such folder, so no test may depend on one."""
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path.startswith(str(REPO.parent) + os.sep) and not path.startswith(str(REPO) + os.sep):
+            _opened_outside.append(path)
+
+
+sys.addaudithook(_watch_opens)
+
+
+@pytest.fixture(autouse=True)
+def reads_only_what_the_project_ships():
+    _opened_outside.clear()
+    yield
+    assert not _opened_outside, f"the test opened files outside the repository: {sorted(set(_opened_outside))}"
 
 
 @pytest.fixture(scope="session")

@@ -7,27 +7,8 @@ from transformers import DynamicCache
 from h2o_chat import make_cache
 from h2o_chat.attention import ATTENTION_NAME
 
+from .helpers import fail_next_update, feed, record_slots_attended
 from .reference import REFERENCE_NAME, ReferenceRule, use_rule
-
-
-def feed(model, cache, ids, chunk):
-    """Feed ``ids`` through ``model`` in chunks; return the logits of every token."""
-    with torch.no_grad():
-        return torch.cat(
-            [model(c, past_key_values=cache, use_cache=True).logits for c in ids.split(chunk, dim=1)], dim=1
-        )
-
-
-def fail_next_update(layer) -> None:
-    """Make ``layer``'s next ``update`` raise once, so a forward pass fails after the
-    layers before it took the new tokens."""
-    update = layer.update
-
-    def failing_update(*args, **kwargs):
-        layer.update = update
-        raise RuntimeError("injected failure")
-
-    layer.update = failing_update
 
 
 def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None,
@@ -195,21 +176,6 @@ def test_generate_matches_manual_greedy_loop(tiny_model):
         tokens.append(logits[:, -1:].argmax(-1))
         logits = feed(tiny_model, manual, tokens[-1], 1)
     assert out[:, 100:].tolist() == torch.cat(tokens, 1).tolist()
-
-
-def record_slots_attended(cache) -> list[int]:
-    """A list that fills, per attention call of layer 0, with the slots attention sees."""
-    sizes = []
-    layer = cache.layers[0]
-    update = layer.update
-
-    def spy(*args, **kwargs):
-        keys, values = update(*args, **kwargs)
-        sizes.append(keys.shape[-2])
-        return keys, values
-
-    layer.update = spy
-    return sizes
 
 
 def test_peak_cache_size_is_budget_plus_chunk(tiny_model):

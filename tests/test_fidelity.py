@@ -12,7 +12,7 @@ from h2o_chat.fidelity import FidelityProbe, held_positions, kl_divergence
 from h2o_chat.ui.provider import ModelProvider
 
 from .measure_fidelity_cost import CompareView
-from .test_engine import feed
+from .helpers import feed
 
 PROMPT = ("Mira keeps the lighthouse on the northern cliff. Every night she lights the lamp, "
           "writes the weather in her logbook and feeds her grey cat, Pepper. Tell me what she "

@@ -15,7 +15,7 @@ from h2o_chat.snapshot import (MANIFEST, TENSORS, VERSION, SnapshotError, load_s
                                read_manifest, save_session)
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
-from .test_engine import feed
+from .helpers import feed
 
 BUDGET = dict(heavy=16, recent=16, sink=4)  # small: the turns below evict
 

@@ -1,7 +1,6 @@
 """Pinned memory: pin text of a conversation, keep it through evictions, unpin it."""
 
 import re
-from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -17,9 +16,8 @@ from h2o_chat.ui.settings import Settings
 from playwright.sync_api import expect
 
 from .browser_support import configure, gauge, open_app, running_app, send, show_settings, start_and_wait
-from .test_engine import fail_next_update, feed
+from .helpers import BOOK_EXCERPT, fail_next_update, feed
 
-BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
 FACT = "My name is Marisol Quentaro and my locker code is 4817."
 GREEDY = dict(temperature=0, max_new_tokens=8)
 
@@ -42,7 +40,7 @@ def heads(cache) -> int:
 
 
 def book_paste(tokenizer, tokens: int) -> str:
-    text = BOOK.read_text(encoding="utf-8")[5000:40000]
+    text = BOOK_EXCERPT.read_text(encoding="utf-8")[5000:40000]
     return tokenizer.decode(tokenizer(text).input_ids[:tokens])
 
 

@@ -20,7 +20,7 @@ from h2o_chat.ui.limits import RequestSizeLimit
 from h2o_chat.ui.streaming import stream_turn
 from h2o_chat.ui.view_state import ViewState, server_load
 
-from .test_session import GREEDY, assert_consistent, h2o
+from .helpers import GREEDY, assert_consistent, h2o
 
 
 def assert_tokens_are_the_history(session: ChatSession) -> None:

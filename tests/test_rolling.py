@@ -7,10 +7,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotat
 
 from h2o_chat import make_cache
 from h2o_chat.attention import ATTENTION_NAME
-from h2o_chat.bench import data
 from h2o_chat.rope import RopeShifter
 
-from .test_engine import feed
+from .helpers import BOOK_EXCERPT, feed
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +102,7 @@ def test_rolling_keeps_real_model_rotary_positions_inside_the_cache(smollm):
     than the engine's bookkeeping: with rolling no key is rotated past budget + chunk
     whatever the text length; without it, keys keep their token positions."""
     model, tokenizer = smollm
-    text = data.read_text(data.BOOK)[:4000]
+    text = BOOK_EXCERPT.read_text(encoding="utf-8")[:4000]
     ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids[:256]])
     budget, chunk = 64, 16
     attention = model.model.layers[0].self_attn

@@ -1,7 +1,6 @@
 """Chat and story sessions on the real embedded model."""
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,27 +9,7 @@ from transformers import DynamicCache
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.attention import ATTENTION_NAME
 
-from .test_engine import fail_next_update, record_slots_attended
-
-BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pride_and_prejudice.txt"
-GREEDY = dict(temperature=0, max_new_tokens=24)
-
-
-def h2o(model, heavy=48, recent=48, sink=4):
-    return make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink)
-
-
-def assert_consistent(session):
-    """Cache and history agree: the cache saw exactly ``tokens[:fed]``."""
-    stats = session.stats()
-    assert stats.cache.seen == session.fed <= len(session.tokens)
-    assert len(session.tokens) - session.fed <= 1  # at most the last sampled token waits
-
-
-def assert_at_rest_within_budget(session):
-    stats = session.stats().cache
-    assert all(layer.held <= stats.budget for layer in stats.layers), (stats.budget, stats.held)
-
+from .helpers import BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o, record_slots_attended
 
 def test_first_reply_equals_stock_generate(smollm):
     model, tokenizer = smollm
@@ -70,7 +49,7 @@ def test_three_turn_chat_is_bounded_and_follows_the_template(smollm):
 
 def test_long_paste_is_chunked_with_peak_bounded(smollm):
     model, tokenizer = smollm
-    text = BOOK.read_text(encoding="utf-8")
+    text = BOOK_EXCERPT.read_text(encoding="utf-8")
     paste = tokenizer.decode(tokenizer(text[:20000]).input_ids[:3000])
     session = ChatSession(model, tokenizer, cache=h2o(model, heavy=64, recent=64), prefill_chunk_size=256)
     peaks = record_slots_attended(session.cache)

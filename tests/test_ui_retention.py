@@ -9,7 +9,7 @@ import torch
 from h2o_chat import make_cache
 from h2o_chat.ui import retention
 
-from .test_engine import feed
+from .helpers import feed
 
 
 @pytest.fixture
