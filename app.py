@@ -1,7 +1,8 @@
 """Start the h2o-chat web app: ``python app.py [--config PATH] [--host H] [--port N] ...``.
 
 Settings come from the YAML config (default ``configs/default.yaml``); flags override it.
-The page opens at once and shows the model loading in the background.
+The page (at ``/``) opens at once and shows the model loading in the background; the
+OpenAI-compatible API is under ``/v1`` on the same port.
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         sys.exit(f"error: {err}")
 
-    from h2o_chat.ui.app import THEME, build_app, launch_options
+    from h2o_chat.api.server import create_app, serve
+    from h2o_chat.ui.app import build_app
     from h2o_chat.ui.provider import ModelProvider
 
-    name = config.model.source or f"{Path(EMBEDDED_GGUF).stem} (embedded)"
+    model_id = config.model.source or Path(EMBEDDED_GGUF).stem  # as API clients name it
+    name = config.model.source or f"{model_id} (embedded)"
     provider = ModelProvider(lambda: load_model(config.model), name).start()
-    demo = build_app(provider, config)
+    app = create_app(provider, model_id, config, build_app(provider, config))
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
-    demo.queue().launch(theme=THEME, show_error=True, **launch_options(config.server))
+    serve(app, config.server)
 
 
 if __name__ == "__main__":

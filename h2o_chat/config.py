@@ -74,6 +74,16 @@ class ServerConfig:
     # override these, so a password need not sit in a file.
     username: str | None = None
     password: str | None = None
+    # Key the HTTP API (/v1, /metrics) asks for as "Authorization: Bearer <key>"; None =
+    # no key. The environment variable H2O_CHAT_API_KEY overrides it.
+    api_key: str | None = None
+    # API conversations kept with their caches for reuse by the next request; the least
+    # recently used goes first, and any is freed after idle_release_minutes.
+    api_max_conversations: int = 16
+    # API requests waiting for a generation slot; more are refused with HTTP 429.
+    api_max_queued: int = 32
+    # Largest API request body read, in megabytes (JSON is parsed whole, in memory).
+    api_max_request_mb: int = 8
 
 
 @dataclass
@@ -150,10 +160,15 @@ _RULES: dict[str, _Rule] = {
                                          "must be a number of minutes > 0 and <= 10080 (a week)"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
+    "server.api_key": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+    "server.api_max_conversations": _int_between(1, 1024),
+    "server.api_max_queued": _int_between(0, 4096),
+    "server.api_max_request_mb": _int_between(1, 1024),
 }
 
 # Environment variables that override config fields (secrets stay out of files).
-ENVIRONMENT_OVERRIDES = {"H2O_CHAT_USERNAME": "server.username", "H2O_CHAT_PASSWORD": "server.password"}
+ENVIRONMENT_OVERRIDES = {"H2O_CHAT_USERNAME": "server.username", "H2O_CHAT_PASSWORD": "server.password",
+                         "H2O_CHAT_API_KEY": "server.api_key"}
 
 
 def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:

@@ -39,11 +39,17 @@ class Sampling:
     temperature: float = GenerationConfig.temperature  # 0 = greedy
     top_p: float = GenerationConfig.top_p
     seed: int | None = None
+    # The end-of-turn token is not sampled before this many tokens (benchmarks ask for
+    # replies of an exact length; max_new_tokens makes the end never come).
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         # The same rules as the config file's generation section, so messages match.
         for name in ("max_new_tokens", "temperature", "top_p", "seed"):
             setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise ValueError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
+                             f"to max_new_tokens ({self.max_new_tokens})")
 
 
 def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -120,6 +126,7 @@ class Session:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
+        self._eos_tensor = torch.tensor(sorted(self.eos_ids), device=model.device)
         self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
         self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans
         # Called after every forward pass, still holding the model lock, with the token
@@ -346,8 +353,9 @@ class Session:
                 break
             if step:
                 logits = self._feed_unfed()
-            if self._never_sampled is not None:
-                logits = logits.index_fill(0, self._never_sampled, float("-inf"))
+            never = self._eos_tensor if step < sampling.min_new_tokens else self._never_sampled
+            if never is not None:
+                logits = logits.index_fill(0, never, float("-inf"))
             token = sample_token(logits.cpu(), sampling, generator)
             self.tokens.append(token)
             generated.append(token)
@@ -516,7 +524,7 @@ class StorySession(Session):
         self._checked_text(bible, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
-        self._never_sampled = torch.tensor(sorted(self.eos_ids), device=model.device)
+        self._never_sampled = self._eos_tensor
         self.tokens = self._encode(bible) if bible else []
         self.bible_tokens = len(self.tokens)
         if self.tokens:

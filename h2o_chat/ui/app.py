@@ -32,7 +32,7 @@ while tokens stream."""
 
 
 def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
-    """The app's Blocks; pass ``THEME`` to ``launch``. ``provider`` may still be loading:
+    """The app's Blocks; mount them with ``THEME``. ``provider`` may still be loading:
     the page shows its progress and handlers wait for it."""
     with gr.Blocks(title="h2o-chat") as demo:
         gr.Markdown(INTRO)
@@ -94,10 +94,10 @@ def server_line(server: ServerConfig) -> str:
 
 
 def launch_options(server: ServerConfig) -> dict:
-    """``launch`` keyword arguments that enforce the server's limits and login."""
+    """``gr.mount_gradio_app`` keyword arguments that enforce the page's limits and login."""
     max_bytes = server.max_request_mb * 2**20
     return dict(
-        server_name=server.host, server_port=server.port, share=server.share,
+        server_name=server.host, server_port=server.port,
         auth=(server.username, server.password) if server.username is not None else None,
         max_file_size=max_bytes,
         app_kwargs={"middleware": [Middleware(RequestSizeLimit, max_bytes=max_bytes)]},

@@ -60,6 +60,11 @@ class ModelProvider:
     def ready(self) -> bool:
         return self._loaded is not None
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why loading failed; None while loading or once loaded."""
+        return self._error
+
     def get(self) -> LoadedModel:
         """The loaded model, waiting for it if needed; RuntimeError if loading failed."""
         self._done.wait()

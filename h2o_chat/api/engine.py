@@ -1,0 +1,238 @@
+"""Turns of API conversations on today's sessions: admission, a worker thread per turn,
+and the turn's events handed to the event loop.
+
+The routes see only ``Engine.start`` and the ``Turn`` it returns (an async stream of
+``Delta`` and a final ``Finished``), so a batching scheduler can replace this engine
+without touching them. Here each admitted turn runs ``ChatSession.send`` on its own
+thread, and the turns take their forward passes in turn through the session's per-model
+lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from h2o_chat import ChatSession, make_cache
+from h2o_chat.config import AppConfig
+from h2o_chat.session import SessionStats
+
+from .conversations import Conversation, ConversationStore
+from .errors import APIError
+from .metrics import Metrics
+from .schema import ChatRequest, Message
+from .stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # of the prompt, already in the kept conversation's cache
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # stop | length
+    usage: Usage
+    h2o: dict[str, Any]  # what the bounded cache holds after the turn
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: APIError
+
+
+class Admission:
+    """At most ``running`` turns at once; at most ``waiting`` more wait, others get 429."""
+
+    def __init__(self, running: int, waiting: int, metrics: Metrics) -> None:
+        self._slots = asyncio.Semaphore(running)
+        self.waiting, self.max_waiting = 0, waiting
+        self._metrics = metrics
+
+    async def acquire(self) -> None:
+        if self._slots.locked() and self.waiting >= self.max_waiting:
+            raise APIError(429, f"the server is busy: {self.max_waiting} requests already wait for a "
+                                "generation slot (server.api_max_queued); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.waiting += 1
+        self._metrics.queued.inc()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self._metrics.queued.dec()
+        self._metrics.active.inc()
+
+    def release(self) -> None:
+        self._metrics.active.dec()
+        self._slots.release()
+
+
+class Turn:
+    """One request's turn: iterate it for its events; ``cancel`` stops it (the client left)."""
+
+    def __init__(self, conversation: Conversation, arrived: float, metrics: Metrics) -> None:
+        self.conversation, self.arrived, self._metrics = conversation, arrived, metrics
+        self._first_text_at: float | None = None
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.cancelled = threading.Event()
+
+    @property
+    def session_id(self) -> str:
+        return self.conversation.id
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if self.conversation.session is not None:
+            self.conversation.session.stop()
+
+    def emit(self, event: Delta | Finished | _Failed) -> None:
+        """From the worker thread."""
+        self.call_in_loop(self._events.put_nowait, event)
+
+    def call_in_loop(self, function, *args) -> None:
+        """Run ``function(*args)`` on the event loop, from the worker thread."""
+        try:
+            self.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop closed: the server is shutting down, nobody listens
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+        while True:
+            event = await self._events.get()
+            if isinstance(event, _Failed):
+                raise event.error
+            if self._first_text_at is None and isinstance(event, Delta):
+                self._first_text_at = time.monotonic()
+                self._metrics.ttft.observe(self._first_text_at - self.arrived)
+            if isinstance(event, Finished):
+                self._metrics.latency.observe(time.monotonic() - self.arrived)
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class Engine:
+    """``provider.get()`` gives the model (it may still be loading); ``store`` keeps the
+    conversations between turns."""
+
+    def __init__(self, provider, config: AppConfig, metrics: Metrics, store: ConversationStore) -> None:
+        self.provider, self.config, self.metrics, self.store = provider, config, metrics, store
+        server = config.server
+        self.admission = Admission(server.max_concurrent_generations, server.api_max_queued, metrics)
+
+    async def start(self, request: ChatRequest, session_id: str | None) -> Turn:
+        """Admit the request (429 when the queue is full) and start its turn."""
+        arrived = time.monotonic()
+        await self.admission.acquire()
+        try:
+            conversation = self.store.checkout(request.history, session_id)
+        except BaseException:
+            self.admission.release()
+            raise
+        turn = Turn(conversation, arrived, self.metrics)
+        threading.Thread(target=self._run, args=(turn, request), name=f"turn-{conversation.id}",
+                         daemon=True).start()
+        return turn
+
+    def _run(self, turn: Turn, request: ChatRequest) -> None:
+        conversation = turn.conversation
+        try:
+            try:
+                loaded = self.provider.get()
+            except RuntimeError as err:  # loading failed: no turn can run
+                raise APIError(503, str(err), code="model_unavailable") from None
+            if conversation.session is None:
+                conversation.session = self._new_session(loaded.model, loaded.tokenizer, request.history)
+            session = conversation.session
+            before = session.stats()
+            finish = self._generate(turn, session, request)
+            after = session.stats()
+            reply = Message("assistant", session.messages[-1]["content"])
+            self.store.checkin(conversation, request.messages + (reply,), after)
+            self._count(before, after)
+            turn.emit(Finished(finish, Usage(after.tokens - after.generated, after.generated, before.fed),
+                               h2o_report(conversation.id, after)))
+        except Exception as err:
+            self.store.checkin(conversation, None)
+            turn.emit(_Failed(_as_api_error(err)))
+        finally:
+            turn.call_in_loop(self.admission.release)
+
+    def _generate(self, turn: Turn, session: ChatSession, request: ChatRequest) -> str:
+        """Stream the reply into ``turn``; its finish reason."""
+        message = request.messages[-1]
+        stops = StopMatcher(request.stop)
+        stream = session.send(message.content, pin=message.pin, max_new_tokens=request.max_tokens,
+                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                              min_new_tokens=request.min_tokens)
+        try:
+            for chunk in stream:
+                if text := stops.feed(chunk):
+                    turn.emit(Delta(text))
+                # Checked here too: a stop() that came before send() began is cleared by it.
+                if stops.stopped or turn.cancelled.is_set():
+                    break
+        finally:
+            stream.close()  # the session records the reply so far
+        if text := stops.flush():
+            turn.emit(Delta(text))
+        ended = session.reply[-1:] and session.reply[-1] in session.eos_ids
+        return "stop" if stops.stopped or ended or len(session.reply) < request.max_tokens else "length"
+
+    def _new_session(self, model, tokenizer, history: tuple[Message, ...]) -> ChatSession:
+        cache, server = self.config.cache, self.config.server
+        system = history[0].content if history and history[0].role == "system" else None
+        turns = history[1:] if system is not None else history
+        session = ChatSession(
+            model, tokenizer,
+            cache=make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
+                             recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm),
+            system_prompt=system or None, prefill_chunk_size=cache.prefill_chunk_size,
+            history=[{"role": m.role, "content": m.content} for m in turns],
+            max_message_chars=server.max_message_chars)
+        for index, message in enumerate(turns, start=len(history) - len(turns)):
+            if message.pin:
+                try:
+                    session.pin(message.content)  # not fed yet: nothing evicted, so it holds
+                except ValueError as err:
+                    raise APIError(400, f"messages[{index}].pin: {err}", param=f"messages[{index}].pin",
+                                   code="invalid_value") from None
+        return session
+
+    def _count(self, before: SessionStats, after: SessionStats) -> None:
+        metrics = self.metrics
+        metrics.generated_tokens.inc(after.generated)
+        metrics.prefill_tokens.inc(after.tokens - after.generated - before.fed)
+        metrics.cached_tokens.inc(before.fed)
+        evicted = [s.cache.seen - s.cache.held for s in (before, after)]
+        metrics.evicted_tokens.inc(max(0, evicted[1] - evicted[0]))
+
+
+def h2o_report(session_id: str, stats: SessionStats) -> dict[str, Any]:
+    """The response's ``h2o`` object: what the bounded cache holds after the turn."""
+    cache = stats.cache
+    return {"session_id": session_id, "tokens_seen": cache.seen, "slots_held": cache.held,
+            "budget": cache.budget, "evicted": cache.seen - cache.held, "pinned": cache.pinned,
+            "kv_bytes": cache.kv_bytes, "policy": cache.policy}
+
+
+def _as_api_error(err: BaseException) -> APIError:
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, ValueError):  # the session refused the message (e.g. empty)
+        return APIError(400, str(err), param="messages", code="invalid_value")
+    return APIError(500, f"the reply failed: {type(err).__name__}: {err}", code="generation_failed")
+

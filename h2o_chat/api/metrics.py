@@ -1,0 +1,64 @@
+"""Prometheus metrics of the API, in a registry of its own (one per server, so two
+servers in one process, as in tests, never share counters)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .conversations import Conversation
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Seconds: a token takes ~0.1 s on a small CPU; a long prefill or queue wait, minutes.
+_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _ConversationCollector(Collector):
+    """KV memory of the kept conversations, read at scrape time from the stats each
+    recorded after its last turn (a busy cache is never read mid-forward)."""
+
+    def __init__(self, conversations: Callable[[], list[Conversation]]) -> None:
+        self._conversations = conversations
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        conversations = self._conversations()
+        stats = [c.stats.cache for c in conversations if c.stats is not None]
+        yield GaugeMetricFamily("h2o_chat_api_conversations", "API conversations kept with their caches",
+                                value=len(conversations))
+        yield GaugeMetricFamily("h2o_chat_kv_bytes_allocated",
+                                "Bytes of the KV tensors of the kept API conversations, as allocated",
+                                value=sum(s.kv_bytes for s in stats))
+        yield GaugeMetricFamily("h2o_chat_kv_bytes_held",
+                                "Bytes of the KV slots in use in the kept API conversations",
+                                value=sum(s.held_bytes for s in stats))
+
+
+class Metrics:
+    def __init__(self, conversations: Callable[[], list[Conversation]]) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("h2o_chat_requests", "API requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=registry)
+        self.generated_tokens = Counter("h2o_chat_generated_tokens", "Tokens generated",
+                                        registry=registry)
+        self.prefill_tokens = Counter("h2o_chat_prefill_tokens", "Prompt tokens fed to the model",
+                                      registry=registry)
+        self.cached_tokens = Counter("h2o_chat_cached_prompt_tokens",
+                                     "Prompt tokens a kept conversation's cache had already seen",
+                                     registry=registry)
+        self.evicted_tokens = Counter("h2o_chat_evicted_tokens",
+                                      "Tokens the bounded caches evicted during API turns",
+                                      registry=registry)
+        self.active = Gauge("h2o_chat_active_generations", "API turns generating now", registry=registry)
+        self.queued = Gauge("h2o_chat_queued_requests", "API requests waiting for a generation slot",
+                            registry=registry)
+        self.latency = Histogram("h2o_chat_request_seconds", "Chat completion time, from arrival to "
+                                 "the last token", buckets=_BUCKETS, registry=registry)
+        self.ttft = Histogram("h2o_chat_time_to_first_token_seconds", "Time from arrival to the first "
+                              "text of the reply", buckets=_BUCKETS, registry=registry)
+        registry.register(_ConversationCollector(conversations))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,193 @@
+"""The HTTP API: OpenAI's chat completions and models under /v1, plus /health and /metrics.
+
+``create_api`` returns the FastAPI app the web UI is then mounted in (at ``/``), so both
+share one port; the API's routes come first and answer their own paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from h2o_chat.config import AppConfig
+
+from .conversations import ConversationStore, check_session_id
+from .engine import Delta, Engine, Finished, Turn
+from .errors import APIError
+from .metrics import CONTENT_TYPE, Metrics
+from .responses import DONE, Reply, event
+from .schema import ChatRequest, parse_chat_request, short
+
+
+def create_api(provider, name: str, config: AppConfig,
+               released: Callable[[], None] = lambda: None) -> FastAPI:
+    """The API on ``provider``'s model, called ``name`` (a ``ModelProvider``: it may still
+    be loading). ``released`` runs after kept conversations are freed."""
+    server = config.server
+    store = ConversationStore(server.api_max_conversations, server.idle_release_minutes * 60, released)
+    metrics = Metrics(store.conversations)
+    engine = Engine(provider, config, metrics, store)
+    authorize = _authorizer(server.api_key, login=server.username is not None)
+    max_body = server.api_max_request_mb * 2**20
+    started = int(time.time())
+    # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
+    api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
+    api.state.engine, api.state.metrics = engine, metrics
+
+    def count(request: Request, status: int) -> None:
+        # By route template, not path: clients must not be able to add label values.
+        metrics.requests.labels(getattr(request.scope.get("route"), "path", "other"), str(status)).inc()
+
+    @api.exception_handler(APIError)
+    async def refused(request: Request, err: APIError) -> JSONResponse:
+        count(request, err.status)
+        return err.response()
+
+    def answered(request: Request, response: Response) -> Response:
+        count(request, response.status_code)
+        return response
+
+    @api.get("/health")
+    async def health(request: Request) -> Response:
+        status = "ok" if provider.ready else "error" if provider.error is not None else "loading"
+        return answered(request, JSONResponse({"status": status, "model": name},
+                                              status_code=200 if status == "ok" else 503))
+
+    @api.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        authorize(request)
+        return answered(request, Response(metrics.render(), media_type=CONTENT_TYPE))
+
+    def model_card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "h2o-chat"}
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(request)
+        return answered(request, JSONResponse({"object": "list", "data": [model_card()]}))
+
+    @api.get("/v1/models/{wanted:path}")
+    async def model(request: Request, wanted: str) -> Response:
+        authorize(request)
+        if wanted != name:
+            raise APIError(404, f"the model {short(wanted)} does not exist; this server has {name!r}",
+                           param="model", code="model_not_found")
+        return answered(request, JSONResponse(model_card()))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        chat = parse_chat_request(await _read_json(request, max_body), config.generation,
+                                  server.max_message_chars)
+        session_id = request.headers.get("x-session-id")
+        turn = await engine.start(chat, None if session_id is None else check_session_id(session_id))
+        reply = Reply(name)
+        headers = {"X-Session-Id": turn.session_id}
+        if chat.stream:
+            return answered(request, StreamingResponse(_events(turn, chat, reply),
+                                                       media_type="text/event-stream", headers=headers))
+        whole = await _collect(turn, request)
+        if whole is None:  # the client left: nobody reads this
+            return answered(request, Response(status_code=499))
+        return answered(request, JSONResponse(reply.completion(*whole), headers=headers))
+
+    @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def unknown(request: Request, path: str) -> Response:
+        raise APIError(404, f"no such endpoint: {request.method} /v1/{path[:100]}", code="unknown_url")
+
+    return api
+
+
+def _authorizer(key: str | None, login: bool) -> Callable[[Request], None]:
+    """A check of the request's ``Authorization: Bearer`` key; without a key configured,
+    a server with a login for its page refuses the API, which would bypass the login."""
+    expected = None if key is None else key.encode()
+
+    def authorize(request: Request) -> None:
+        if expected is None:
+            if login:
+                raise APIError(401, "the API is off: this server has a login (server.username) but no "
+                                    "API key; set server.api_key or H2O_CHAT_API_KEY",
+                               code="invalid_api_key")
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                "with the key of server.api_key", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return authorize
+
+
+async def _read_json(request: Request, max_bytes: int) -> Any:
+    """The body as JSON, read no further than ``max_bytes`` (413 beyond)."""
+    too_large = APIError(413, f"request body over the API's limit of {max_bytes // 2**20} MB "
+                              "(server.api_max_request_mb)", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
+        raise APIError(400, f"the request body is not valid JSON: {str(err)[:200]}",
+                       code="invalid_json") from None
+
+
+async def _events(turn: Turn, chat: ChatRequest, reply: Reply) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed reply. If the client goes away, the server
+    cancels this generator, which stops the turn."""
+    finished = None
+    try:
+        yield event(reply.chunk({"role": "assistant", "content": ""}))
+        async for item in turn:
+            if isinstance(item, Delta):
+                yield event(reply.chunk({"content": item.text}))
+            else:
+                finished = item
+        yield event(reply.chunk({}, finished.finish_reason, h2o=finished.h2o))
+        if chat.include_usage:
+            yield event(reply.usage_chunk(finished))
+    except APIError as err:  # after the 200 went out: the error travels as an event
+        yield event(err.body())
+    finally:
+        if finished is None:
+            turn.cancel()
+    yield DONE
+
+
+async def _collect(turn: Turn, request: Request) -> tuple[str, Finished] | None:
+    """A whole reply; None, the turn stopped, if the client went away before it ended."""
+    async def gather() -> tuple[str, Finished]:
+        parts = []
+        async for item in turn:
+            if isinstance(item, Delta):
+                parts.append(item.text)
+            else:
+                return "".join(parts), item
+        raise AssertionError("a turn always ends with Finished or an error")
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    reply, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return reply.result() if reply.done() else None
+    finally:
+        gone.cancel()
+        if not reply.done():
+            turn.cancel()
+            reply.cancel()

@@ -1,0 +1,221 @@
+"""A chat-completions request body, checked field by field into a ``ChatRequest``.
+
+Everything here comes from outside: each field's type and size is checked before it is
+used, and a refusal names the field and what it may be. Sampling fields follow the same
+rules as the config file's ``generation`` section (``h2o_chat.config``), so the API and
+the page accept the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from h2o_chat.config import ConfigError, GenerationConfig, check_field
+
+from .errors import invalid
+
+# Bounds of what one request may carry besides the body limit, which bounds the total.
+MAX_MESSAGES = 4096
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_MODEL_CHARS = 256
+MAX_SEED = 2**63 - 1  # OpenAI's int64; torch's generator refuses larger seeds
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+
+# Fields clients send that would change the answer's meaning if ignored: refused unless
+# they ask for nothing (null, false, empty). Other unknown fields are ignored, as
+# llama.cpp's and vLLM's servers do, since clients add their own (user, metadata, ...).
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
+                "logit_bias", "audio", "modalities", "prediction")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system | user | assistant
+    content: str
+    pin: bool = False  # ours: keep this message's tokens out of eviction
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[Message, ...]  # a system message first (given or the server's), last a user one
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    min_tokens: int  # end of turn not sampled before this many tokens (ignore_eos: = max_tokens)
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream only: a last chunk with the usage
+
+    @property
+    def history(self) -> tuple[Message, ...]:
+        """The messages before the new user message, system message first."""
+        return self.messages[:-1]
+
+
+def parse_chat_request(body: Any, defaults: GenerationConfig, max_message_chars: int) -> ChatRequest:
+    """Check a decoded JSON body; ``defaults`` fill the sampling fields it leaves out.
+    Raises ``APIError`` (400) naming the first bad field."""
+    if not isinstance(body, Mapping):
+        raise invalid("body", f"the request body must be a JSON object, got {_json_type(body)}")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise invalid(name, f"{name} is not supported by this server (plain chat only)")
+    _check_response_format(body.get("response_format"))
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and len(model) <= MAX_MODEL_CHARS):
+        raise invalid("model", f"model must be a string of at most {MAX_MODEL_CHARS} characters")
+    n = body.get("n", 1)
+    if n is not None and (type(n) is not int or n != 1):
+        raise invalid("n", f"n = {n!r}: must be 1 (one choice per request)")
+    max_tokens = _max_tokens(body, defaults.max_new_tokens)
+    ignore_eos = _bool(body, "ignore_eos", False)
+    min_tokens = body.get("min_tokens")
+    min_tokens = 0 if min_tokens is None else min_tokens
+    if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
+        raise invalid("min_tokens", f"min_tokens = {min_tokens!r}: must be an integer from 0 to "
+                                    f"max_tokens ({max_tokens})")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise invalid("stream_options", f"stream_options must be an object, got {_json_type(options)}")
+    return ChatRequest(
+        messages=_messages(body.get("messages"), defaults.system_prompt, max_message_chars),
+        max_tokens=max_tokens,
+        temperature=_generation(body, "temperature", defaults.temperature),
+        top_p=_generation(body, "top_p", defaults.top_p),
+        seed=_seed(body.get("seed", defaults.seed)),
+        min_tokens=max_tokens if ignore_eos else min_tokens,
+        stop=_stops(body.get("stop")),
+        stream=stream,
+        include_usage=stream and _bool(options, "include_usage", False, "stream_options."),
+    )
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _bool(body: Mapping, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(prefix + name, f"{prefix}{name} = {value!r}: must be true or false")
+    return value
+
+
+def _generation(body: Mapping, name: str, default: Any, field: str | None = None) -> Any:
+    """``body[name]`` (None: ``default``) under the config's rule for ``generation.<field>``,
+    the message naming the API field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    config_name = f"generation.{field or name}"
+    try:
+        return check_field(config_name, value)
+    except ConfigError as err:
+        raise invalid(name, str(err).replace(config_name, name, 1)) from None
+
+
+def _max_tokens(body: Mapping, default: int) -> int:
+    # max_completion_tokens is OpenAI's newer name; when both come, it wins, as there.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _generation(body, name, default, field="max_new_tokens")
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= MAX_SEED:
+        raise invalid("seed", f"seed = {value!r}: must be an integer from 0 to {MAX_SEED}, or null")
+    return value
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS:
+        raise invalid("stop", f"stop must be a string or an array of at most {MAX_STOPS} strings")
+    for index, stop in enumerate(stops):
+        if not (isinstance(stop, str) and 1 <= len(stop) <= MAX_STOP_CHARS):
+            raise invalid("stop", f"stop[{index}] = {short(stop)}: must be a string of 1 to "
+                                  f"{MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def _check_response_format(value: Any) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, Mapping) else value
+    if kind != "text":
+        raise invalid("response_format", f"response_format.type = {short(kind)}: only 'text' is "
+                                         "supported")
+
+
+def _messages(value: Any, default_system: str, max_chars: int) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
+        raise invalid("messages", f"messages must be an array of 1 to {MAX_MESSAGES} messages")
+    messages = [_message(index, item, max_chars) for index, item in enumerate(value)]
+    for index, message in enumerate(messages[1:], start=1):
+        if message.role == "system":
+            raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "
+                                                     "message may only come first")
+    if messages[-1].role != "user":
+        last = len(messages) - 1
+        raise invalid(f"messages[{last}].role", f"messages[{last}].role = {messages[-1].role!r}: "
+                                                "the last message must be the user's")
+    if messages[0].role != "system" and default_system:
+        # The server's system prompt, as the page uses: pinned, the same for every client.
+        messages.insert(0, Message("system", default_system))
+    return tuple(messages)
+
+
+def _message(index: int, item: Any, max_chars: int) -> Message:
+    where = f"messages[{index}]"
+    if not isinstance(item, Mapping):
+        raise invalid(where, f"{where} must be an object with role and content, got {_json_type(item)}")
+    role = item.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role", f"{where}.role = {short(role)}: must be one of "
+                                       + ", ".join(ROLES))
+    content = _content(f"{where}.content", item.get("content"))
+    if len(content) > max_chars:
+        raise invalid(f"{where}.content", f"{where}.content is {len(content):,} characters long; the "
+                                          f"limit is {max_chars:,} (server.max_message_chars)")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise invalid(f"{where}.content", f"{where}.content has an unpaired surrogate at character "
+                                          f"{err.start}: not valid Unicode text") from None
+    return Message("system" if role == "developer" else role, content,
+                   _bool(item, "pin", False, f"{where}."))
+
+
+def _content(where: str, value: Any) -> str:
+    """A message's text: a string, or an array of text parts (joined by newlines)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(where, f"{where} must be a string or an array of text parts, got {_json_type(value)}")
+    texts = []
+    for index, part in enumerate(value):
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, Mapping) else part
+            raise invalid(f"{where}[{index}]", f"{where}[{index}].type = {short(kind)}: only text "
+                                               'parts ({"type": "text", "text": ...}) are supported')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` cut for a message: the value came from outside and may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+

@@ -1,0 +1,49 @@
+"""One web server for the UI and the API: the Gradio app mounted at ``/`` inside the
+API's FastAPI app, served by uvicorn on one port."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+from gradio.networking import setup_tunnel
+
+from h2o_chat.config import AppConfig, ServerConfig
+from h2o_chat.ui.app import THEME, launch_options, return_freed_memory
+from h2o_chat.ui.provider import ModelProvider
+
+from .routes import create_api
+
+
+def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.Blocks) -> FastAPI:
+    """The API (``/v1``, ``/health``, ``/metrics``) with ``demo`` mounted at ``/``, keeping
+    the page's login and request-size limit."""
+    api = create_api(provider, name, config, released=return_freed_memory)
+    return gr.mount_gradio_app(api, demo.queue(), "/", theme=THEME, show_error=True,
+                               **launch_options(config.server))
+
+
+def serve(app: FastAPI, server: ServerConfig) -> None:
+    """Serve ``app`` until interrupted; with ``server.share`` also through a public
+    Gradio share link."""
+    runner = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning"))
+    if server.share:
+        threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
+    print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
+          f"API at http://{server.host}:{server.port}/v1", flush=True)
+    runner.run()
+
+
+def _share(runner: uvicorn.Server, server: ServerConfig) -> None:
+    while not runner.started:
+        time.sleep(0.1)
+    try:
+        url = setup_tunnel(server.host, server.port, secrets.token_urlsafe(32), None, None)
+    except Exception as err:  # no network, blocked download of the tunnel client, ...
+        print(f"h2o-chat: no share link: {err}", flush=True)
+        return
+    print(f"h2o-chat: public share link {url}", flush=True)
