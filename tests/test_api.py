@@ -1,0 +1,203 @@
+"""The OpenAI-compatible API through real clients: the ``openai`` package and raw
+server-sent events read with ``httpx``, against the API served on a free port."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from .api_support import MODEL_ID, api_config, client, reference_session, serving
+
+GREEDY = dict(temperature=0, max_tokens=16)
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def config():
+    return api_config()
+
+
+@pytest.fixture(scope="module")
+def url(smollm, config):
+    with serving(smollm, config) as url:
+        yield url
+
+
+def ask(url, messages, **options):
+    raw = client(url).chat.completions.with_raw_response.create(
+        model=MODEL_ID, messages=messages, **{**GREEDY, **options})
+    return raw.parse(), raw.headers
+
+
+def test_greedy_reply_equals_the_same_turn_through_chat_session(smollm, config, url):
+    completion, headers = ask(url, [{"role": "user", "content": QUESTION}])
+    expected = "".join(reference_session(smollm, config).send(QUESTION, temperature=0, max_new_tokens=16))
+    choice = completion.choices[0]
+    assert choice.message.content == expected and choice.message.role == "assistant"
+    assert completion.model == MODEL_ID and completion.object == "chat.completion"
+    usage = completion.usage
+    assert usage.completion_tokens <= 16 and usage.prompt_tokens > 20  # the system prompt comes first
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0  # a new conversation
+    assert choice.finish_reason == ("length" if usage.completion_tokens == 16 else "stop")
+    h2o = completion.model_extra["h2o"]
+    assert h2o["session_id"] == headers["x-session-id"]
+    assert h2o["budget"] == 4 + 24 + 24 + h2o["pinned"] and h2o["pinned"] > 0  # the system prompt
+    assert h2o["tokens_seen"] == usage.total_tokens - 1  # the last token waits for the next turn
+
+
+def test_streamed_reply_equals_the_whole_one_and_ends_with_usage(url):
+    whole, _ = ask(url, [{"role": "user", "content": "Name three colours."}])
+    chunks = list(client(url).chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name three colours."}], stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].model_extra["h2o"]["tokens_seen"] == whole.model_extra["h2o"]["tokens_seen"]
+
+
+def test_a_second_turn_feeds_only_its_new_tokens_and_matches_chat_session(smollm, config, url):
+    messages = [{"role": "user", "content": "Tell me about cats."}]
+    first, headers = ask(url, messages, max_tokens=40)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And dogs?"}]
+    second, second_headers = ask(url, messages, max_tokens=40)
+    # Everything the first turn's cache saw is reused; only the new message is fed.
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.total_tokens - 1 == first.model_extra["h2o"]["tokens_seen"]
+    assert second.usage.prompt_tokens > cached
+    assert second_headers["x-session-id"] == headers["x-session-id"]
+    session = reference_session(smollm, config)
+    expected = ["".join(session.send(text, temperature=0, max_new_tokens=40))
+                for text in ("Tell me about cats.", "And dogs?")]
+    assert [first.choices[0].message.content, second.choices[0].message.content] == expected
+    h2o = second.model_extra["h2o"]
+    assert h2o["evicted"] == h2o["tokens_seen"] - h2o["slots_held"] > 0  # past the small budget
+    assert h2o["slots_held"] == h2o["budget"]
+
+
+def test_an_edited_history_starts_a_fresh_conversation(url):
+    first, _ = ask(url, [{"role": "user", "content": "Say hello."}])
+    edited = [{"role": "user", "content": "Say hello."},
+              {"role": "assistant", "content": first.choices[0].message.content + " (edited)"},
+              {"role": "user", "content": "Again."}]
+    second, _ = ask(url, edited)
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_x_session_id_binds_a_client_to_its_conversation(url):
+    headers = {"X-Session-Id": "client-a"}
+    first, returned = ask(url, [{"role": "user", "content": "Hi!"}], extra_headers=headers)
+    assert returned["x-session-id"] == "client-a"
+    messages = [{"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "How are you?"}]
+    # Another client sending the same history without the header does not get it...
+    other, other_headers = ask(url, messages)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0 and other_headers["x-session-id"] != "client-a"
+    # ...the named client does.
+    second, _ = ask(url, messages, extra_headers=headers)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+
+
+def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url):
+    questions = ["Why is the sky blue?", "Write a haiku about the sea."]
+    replies = {}
+
+    def run(question):
+        replies[question] = ask(url, [{"role": "user", "content": question}], max_tokens=24)[0]
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in questions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for question in questions:
+        expected = "".join(reference_session(smollm, config).send(question, temperature=0, max_new_tokens=24))
+        assert replies[question].choices[0].message.content == expected
+    assert replies[questions[0]].model_extra["h2o"]["session_id"] != replies[questions[1]].model_extra["h2o"]["session_id"]
+
+
+def test_stop_strings_cut_the_reply_before_them(url):
+    whole, _ = ask(url, [{"role": "user", "content": QUESTION}])
+    text = whole.choices[0].message.content
+    word = text.split()[2]
+    cut, _ = ask(url, [{"role": "user", "content": QUESTION}], stop=[word, "never-there"])
+    assert cut.choices[0].message.content == text[: text.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_ignore_eos_and_min_tokens_make_replies_of_an_exact_length(url):
+    short = [{"role": "user", "content": "Answer with one word: yes or no?"}]
+    natural, _ = ask(url, short, max_tokens=30)
+    assert natural.usage.completion_tokens < 30 and natural.choices[0].finish_reason == "stop"
+    forced, _ = ask(url, short, max_tokens=30, extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 30 and forced.choices[0].finish_reason == "length"
+    at_least, _ = ask(url, short, max_tokens=30, extra_body={"min_tokens": natural.usage.completion_tokens + 3})
+    assert at_least.usage.completion_tokens >= natural.usage.completion_tokens + 3
+
+
+def test_a_pinned_message_stays_out_of_eviction(url):
+    plain, _ = ask(url, [{"role": "user", "content": "My name is Ada Lovelace."}], max_tokens=4)
+    pinned, _ = ask(url, [{"role": "user", "content": "My name is Ada Lovelace.", "pin": True}], max_tokens=4)
+    extra = pinned.model_extra["h2o"]["pinned"] - plain.model_extra["h2o"]["pinned"]
+    assert extra > 4  # the message's tokens, besides the system prompt
+
+
+def test_raw_server_sent_events(url):
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": QUESTION}], "stream": True,
+            "max_tokens": 8, "temperature": 0}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert {e["id"] for e in events} == {events[0]["id"]} and events[0]["id"].startswith("chatcmpl-")
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "usage" not in events[-1]  # only with stream_options.include_usage
+
+
+def metric(url, name):
+    return float(next(line.split()[1] for line in httpx.get(url + "/metrics").text.splitlines()
+                      if line.startswith(name + " ")))
+
+
+def test_a_client_that_leaves_stops_its_reply(url):
+    before = metric(url, "h2o_chat_generated_tokens_total")
+    body = {"messages": [{"role": "user", "content": "Count to five hundred."}], "stream": True,
+            "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if '"content": "' in line and '"role"' not in line:
+                break  # the first text arrived: leave
+    deadline = time.monotonic() + 30
+    while metric(url, "h2o_chat_active_generations"):
+        assert time.monotonic() < deadline, "the abandoned reply kept generating"
+        time.sleep(0.2)
+    assert metric(url, "h2o_chat_generated_tokens_total") - before < 50
+
+
+def test_models_health_and_metrics(url):
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    assert client(url).models.retrieve(MODEL_ID).id == MODEL_ID
+    assert httpx.get(url + "/health").json() == {"status": "ok", "model": MODEL_ID}
+    ask(url, [{"role": "user", "content": "Hi"}], max_tokens=2)
+    text = httpx.get(url + "/metrics").text
+    for name in ("h2o_chat_generated_tokens_total", "h2o_chat_prefill_tokens_total",
+                 "h2o_chat_cached_prompt_tokens_total", "h2o_chat_evicted_tokens_total",
+                 "h2o_chat_active_generations", "h2o_chat_queued_requests", "h2o_chat_kv_bytes_allocated",
+                 "h2o_chat_kv_bytes_held", "h2o_chat_api_conversations", "h2o_chat_request_seconds_count",
+                 "h2o_chat_time_to_first_token_seconds_count"):
+        assert f"\n{name} " in text or f"\n{name}{{" in text, name
+    assert metric(url, "h2o_chat_kv_bytes_held") > 0
