@@ -1,0 +1,170 @@
+"""Every refusal of the API, through the ``openai`` package and raw ``httpx``: OpenAI's
+error shape, the right status, and a message naming the field and what it may be."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from .api_support import MODEL_ID, api_config, client, serving
+
+KEY = "test-key-123"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def url(smollm):
+    # One generation at a time and no queue, so a second request meets a full queue.
+    config = api_config(api_key=KEY, max_message_chars=200, api_max_request_mb=1,
+                        max_concurrent_generations=1, api_max_queued=0)
+    with serving(smollm, config) as url:
+        yield url
+
+
+def refusal(url, status, **request):
+    """The error body of a request the openai client sends, checking the status."""
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(url, KEY).chat.completions.create(**{"model": MODEL_ID, "messages": USER, "max_tokens": 2,
+                                                    **request})
+    assert caught.value.status_code == status
+    return caught.value.body
+
+
+@pytest.mark.parametrize("request_fields, param, message", [
+    ({"temperature": 11}, "temperature", "temperature = 11: must be a number from 0 to 10 (0 = greedy decoding)"),
+    ({"top_p": 0}, "top_p", "top_p = 0: must be a number > 0 and <= 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens = 0: must be an integer from 1 to 32768"),
+    ({"max_completion_tokens": 40000}, "max_completion_tokens",
+     "max_completion_tokens = 40000: must be an integer from 1 to 32768"),
+    ({"temperature": "hot"}, "temperature", "temperature = 'hot': expected float, got str"),
+    ({"seed": -1}, "seed", "seed = -1: must be an integer from 0 to 9223372036854775807, or null"),
+    ({"n": 2}, "n", "n = 2: must be 1 (one choice per request)"),
+    ({"stop": ["a"] * 17}, "stop", "stop must be a string or an array of at most 16 strings"),
+    ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens", "min_tokens = 5: must be an integer from 0 to max_tokens (2)"),
+    ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos = 'yes': must be true or false"),
+    ({"messages": []}, "messages", "messages must be an array of 1 to 4096 messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
+     "messages[0].role = 'tool': must be one of system, developer, user, assistant"),
+    ({"messages": USER + [{"role": "assistant", "content": "Hello"}]}, "messages[1].role",
+     "messages[1].role = 'assistant': the last message must be the user's"),
+    ({"messages": USER + [{"role": "system", "content": "x"}, *USER]}, "messages[1].role",
+     "messages[1].role = 'system': a system message may only come first"),
+    ({"messages": [{"role": "user", "content": "x" * 201}]}, "messages[0].content",
+     "messages[0].content is 201 characters long; the limit is 200 (server.max_message_chars)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]",
+     'messages[0].content[0].type = \'image_url\': only text parts ({"type": "text", "text": ...}) are supported'),
+    ({"messages": [{"role": "user", "content": "x", "pin": 1}]}, "messages[0].pin",
+     "messages[0].pin = 1: must be true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools is not supported by this server (plain chat only)"),
+])
+def test_bad_fields_get_400_naming_the_field_and_the_allowed_range(url, request_fields, param, message):
+    body = refusal(url, 400, **request_fields)
+    assert body == {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_value"}
+
+
+def test_malformed_bodies_get_400_and_the_server_stays_up(url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for content, expected in [(b"{", "the request body is not valid JSON"),
+                              (b"[" * 100_000 + b"]" * 100_000, "the request body is not valid JSON"),
+                              (b"[1, 2]", "the request body must be a JSON object, got an array"),
+                              (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                               "messages[0].content has an unpaired surrogate at character 0")]:
+        response = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["message"].startswith(expected)
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_bad_session_id_gets_400(url):
+    body = refusal(url, 400, extra_headers={"X-Session-Id": "a b"})
+    assert body["param"] == "X-Session-Id" and "1 to 128 characters" in body["message"]
+
+
+def test_a_missing_or_wrong_key_gets_401(url):
+    message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key of server.api_key"
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(url, "wrong").chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=2)
+    assert caught.value.status_code == 401 and caught.value.body["message"] == message
+    missing = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
+    assert missing.status_code == 401 and missing.json()["error"]["message"] == message
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # no key needed to ask if it is up
+    assert [m.id for m in client(url, KEY).models.list().data] == [MODEL_ID]
+
+
+def test_an_unknown_model_or_endpoint_gets_404(url):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(url, KEY).models.retrieve("gpt-4")
+    assert caught.value.body["message"] == f"the model 'gpt-4' does not exist; this server has {MODEL_ID!r}"
+    response = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 404 and response.json()["error"]["message"] == "no such endpoint: POST /v1/completions"
+
+
+def test_a_body_over_the_limit_gets_413(url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    big = b'{"messages": "' + b"x" * 2**20 + b'"}'
+    for content in (big, iter([big[: 2**19], big[2**19 :]])):  # declared length, then chunked
+        response = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
+        assert response.status_code == 413
+        assert response.json()["error"] == {
+            "message": "request body over the API's limit of 1 MB (server.api_max_request_mb)",
+            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+def generating(response: httpx.Response) -> Iterator[str]:
+    """Read the stream until the reply's first text, so its turn runs; the rest of the
+    lines. Keep them: dropping the iterator closes the connection, i.e. leaves."""
+    lines = response.iter_lines()
+    for line in lines:
+        assert '"error"' not in line, line
+        if '"content": "' in line and '"role"' not in line:
+            return lines
+    raise AssertionError("the reply ended before any text")
+
+
+LONG = {"messages": USER, "stream": True, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_full_queue_gets_429(url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=LONG, headers=headers, timeout=300) as running:
+        rest = generating(running)  # it holds the one generation slot
+        body = refusal(url, 429)
+        rest.close()
+        assert body == {"message": "the server is busy: 0 requests already wait for a generation slot "
+                                   "(server.api_max_queued); retry later",
+                        "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    # Leaving stopped it: the slot comes back after the token in flight.
+    deadline = time.monotonic() + 30
+    while "h2o_chat_active_generations 1.0" in httpx.get(url + "/metrics", headers=headers).text:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert client(url, KEY).chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=2).choices
+
+
+def test_a_login_without_an_api_key_keeps_the_api_closed(smollm):
+    with serving(smollm, api_config(username="ann", password="s3cret")) as url:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            client(url).models.list()
+        assert caught.value.body["message"] == ("the API is off: this server has a login (server.username) "
+                                                "but no API key; set server.api_key or H2O_CHAT_API_KEY")
+
+
+def test_a_session_generating_a_reply_gets_409(smollm):
+    with serving(smollm, api_config()) as url:
+        headers = {"X-Session-Id": "busy"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=LONG, headers=headers, timeout=300) as running:
+            rest = generating(running)
+            response = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, headers=headers)
+            rest.close()
+        assert response.status_code == 409 and response.json()["error"] == {
+            "message": "conversation 'busy' is generating a reply: wait for it to end, or use another "
+                       "X-Session-Id", "type": "conflict_error", "param": "X-Session-Id", "code": "session_busy"}
