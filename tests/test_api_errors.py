@@ -54,6 +54,8 @@ def refusal(url, status, **request):
      "messages[1].role = 'assistant': the last message must be the user's"),
     ({"messages": USER + [{"role": "system", "content": "x"}, *USER]}, "messages[1].role",
      "messages[1].role = 'system': a system message may only come first"),
+    ({"messages": [{"role": "user", "content": " \n"}]}, "messages[0].content",
+     "messages[0].content is empty: the user message needs some text"),
     ({"messages": [{"role": "user", "content": "x" * 201}]}, "messages[0].content",
      "messages[0].content is 201 characters long; the limit is 200 (server.max_message_chars)"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -78,9 +78,12 @@ class ConversationStore:
                 if conversation is None:
                     conversation = Conversation("conv-" + secrets.token_hex(8), named=False)
             conversation.busy = True
+            replaced = self._items.get(conversation.id) not in (None, conversation)
             self._items[conversation.id] = conversation
             self._items.move_to_end(conversation.id)
             self._drop_over_bound()
+        if replaced:
+            self._released()
         return conversation
 
     def checkin(self, conversation: Conversation, messages: tuple[Message, ...] | None,

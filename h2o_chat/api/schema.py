@@ -167,10 +167,13 @@ def _messages(value: Any, default_system: str, max_chars: int) -> tuple[Message,
         if message.role == "system":
             raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "
                                                      "message may only come first")
+    last = len(messages) - 1
     if messages[-1].role != "user":
-        last = len(messages) - 1
         raise invalid(f"messages[{last}].role", f"messages[{last}].role = {messages[-1].role!r}: "
                                                 "the last message must be the user's")
+    if not messages[-1].content.strip():  # caught here, before a stream's first event goes out
+        raise invalid(f"messages[{last}].content", f"messages[{last}].content is empty: the user "
+                                                   "message needs some text")
     if messages[0].role != "system" and default_system:
         # The server's system prompt, as the page uses: pinned, the same for every client.
         messages.insert(0, Message("system", default_system))

@@ -30,7 +30,9 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
 def serve(app: FastAPI, server: ServerConfig) -> None:
     """Serve ``app`` until interrupted; with ``server.share`` also through a public
     Gradio share link."""
-    runner = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning"))
+    # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
+    runner = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+                                           timeout_graceful_shutdown=3))
     if server.share:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
     print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
