@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from h2o_chat.api.stops import StopMatcher
+
 from .api_support import MODEL_ID, api_config, client, reference_session, serving
 
 GREEDY = dict(temperature=0, max_tokens=16)
@@ -201,3 +203,12 @@ def test_models_health_and_metrics(url):
                  "h2o_chat_time_to_first_token_seconds_count"):
         assert f"\n{name} " in text or f"\n{name}{{" in text, name
     assert metric(url, "h2o_chat_kv_bytes_held") > 0
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
+    stops = StopMatcher(("END", "xyz"))
+    assert [stops.feed(chunk) for chunk in ["ab", "cE", "N", "D and more"]] == ["ab", "c", "", ""]
+    assert stops.stopped
+    stops = StopMatcher(("END",))
+    assert (stops.feed("aE"), stops.feed("x"), stops.feed("E"), stops.flush()) == ("a", "Ex", "", "E")
+    assert not stops.stopped
