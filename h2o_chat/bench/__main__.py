@@ -4,6 +4,8 @@ Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), spe
 chat (5), rolling (6: absolute vs rolled positions past the trained context), or all. Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
+
+``python -m h2o_chat.bench api ...`` measures the HTTP API's cost instead (``bench/api.py``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def log(message: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["api"]:  # the HTTP API's cost: a measurement of its own, not a comparison
+        from .api import main as api_main
+
+        api_main(argv[1:])
+        return 0
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

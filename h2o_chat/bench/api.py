@@ -1,4 +1,4 @@
-"""``python -m h2o_chat.bench.api [--clients 1,2,4,8] [--tokens 32] [--repeats 2]``
+"""``python -m h2o_chat.bench api [--clients 1,2,4,8] [--tokens 32] [--repeats 2]``
 
 The cost of the HTTP API: N concurrent conversations, each one greedy reply of exactly
 ``--tokens`` tokens (``ignore_eos``), through the real server (``app.py`` in its own
@@ -121,7 +121,7 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m h2o_chat.bench.api", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m h2o_chat.bench api", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="1,2,4,8", help="comma list of concurrent conversations")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per reply (default 32)")
