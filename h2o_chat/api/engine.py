@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import AppConfig
@@ -26,6 +26,9 @@ from .errors import APIError
 from .metrics import Metrics
 from .schema import ChatRequest, Message
 from .stops import StopMatcher
+
+if TYPE_CHECKING:
+    from h2o_chat.ui.provider import ModelProvider
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class Turn:
         """From the worker thread."""
         self.call_in_loop(self._events.put_nowait, event)
 
-    def call_in_loop(self, function, *args) -> None:
+    def call_in_loop(self, function: Callable[..., object], *args: object) -> None:
         """Run ``function(*args)`` on the event loop, from the worker thread."""
         try:
             self.loop.call_soon_threadsafe(function, *args)
@@ -128,7 +131,8 @@ class Engine:
     """``provider.get()`` gives the model (it may still be loading); ``store`` keeps the
     conversations between turns."""
 
-    def __init__(self, provider, config: AppConfig, metrics: Metrics, store: ConversationStore) -> None:
+    def __init__(self, provider: ModelProvider, config: AppConfig, metrics: Metrics,
+                 store: ConversationStore) -> None:
         self.provider, self.config, self.metrics, self.store = provider, config, metrics, store
         server = config.server
         self.admission = Admission(server.max_concurrent_generations, server.api_max_queued, metrics)

@@ -11,7 +11,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,8 +25,11 @@ from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
 from .schema import ChatRequest, parse_chat_request, short
 
+if TYPE_CHECKING:
+    from h2o_chat.ui.provider import ModelProvider
 
-def create_api(provider, name: str, config: AppConfig,
+
+def create_api(provider: ModelProvider, name: str, config: AppConfig,
                released: Callable[[], None] = lambda: None) -> FastAPI:
     """The API on ``provider``'s model, called ``name`` (a ``ModelProvider``: it may still
     be loading). ``released`` runs after kept conversations are freed."""
