@@ -212,3 +212,23 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
     stops = StopMatcher(("END",))
     assert (stops.feed("aE"), stops.feed("x"), stops.feed("E"), stops.flush()) == ("a", "Ex", "", "E")
     assert not stops.stopped
+
+
+def test_kept_conversations_are_bounded_and_freed_when_idle(smollm):
+    def continued(url, question, first):
+        """cached_tokens of the turn after ``first``."""
+        messages = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "More."}]
+        return ask(url, messages, max_tokens=2)[0].usage.prompt_tokens_details.cached_tokens
+
+    with serving(smollm, api_config(api_max_conversations=2)) as url:
+        questions = ["One.", "Two.", "Three."]
+        firsts = [ask(url, [{"role": "user", "content": q}], max_tokens=3)[0] for q in questions]
+        assert continued(url, questions[2], firsts[2]) > 0  # kept
+        assert continued(url, questions[0], firsts[0]) == 0  # the least recently used went first
+        assert metric(url, "h2o_chat_api_conversations") == 2
+    with serving(smollm, api_config(idle_release_minutes=0.001)) as url:
+        first = ask(url, [{"role": "user", "content": "One."}], max_tokens=3)[0]
+        time.sleep(0.2)
+        assert continued(url, "One.", first) == 0  # freed after 0.06 s without a turn
