@@ -245,11 +245,11 @@ def values_of(tab, state, changes=None):
 
 def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
     tab = chat_tab
-    assert tab.pins._on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
+    assert tab.pins.on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "send a message first" in str(recwarn.pop(UserWarning).message)
 
     # Send with "pin this message" ticked: the box unticks, the panel lists the pin.
-    updates = list(tab._on_send(values_of(tab, None, {tab.text: FACT, tab.pin_message: True})))
+    updates = list(tab.on_send(values_of(tab, None, {tab.text: FACT, tab.pin_message: True})))
     state = updates[0][tab.state]
     assert updates[0][tab.pin_message] is False
     listed = updates[-1][tab.pins.list]
@@ -259,12 +259,12 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # A bad pin: a warning, nothing changes.
     spans = list(state.session.cache.spans.ranges)
-    assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == tab.pins.unchanged
+    assert tab.pins.on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == tab.pins.unchanged
     assert "does not occur" in str(recwarn.pop(UserWarning).message)
     assert state.session.cache.spans.ranges == spans
 
     reply = state.session.messages[-1]["content"]
-    update = tab.pins._on_pin(values_of(tab, state, {tab.pins.text: reply}))
+    update = tab.pins.on_pin(values_of(tab, state, {tab.pins.text: reply}))
     assert update[tab.pins.text] == "" and 'data-count="3"' in update[tab.pins.list]
     assert tab.gauge in update  # the gauge shows the new pinned count
     choices = [value for _, value in update[tab.pins.choice].choices]
@@ -272,12 +272,12 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # While a reply streams, the panel refuses (a warning) instead of touching the cache.
     with state.running():
-        assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
+        assert tab.pins.on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "still streaming" in str(recwarn.pop(UserWarning).message)
 
-    assert tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: None})) == tab.pins.unchanged
+    assert tab.pins.on_unpin(values_of(tab, state, {tab.pins.choice: None})) == tab.pins.unchanged
     assert "Choose a pin" in str(recwarn.pop(UserWarning).message)
-    update = tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: choices[-1]}))
+    update = tab.pins.on_unpin(values_of(tab, state, {tab.pins.choice: choices[-1]}))
     assert 'data-count="2"' in update[tab.pins.list]
     stats = state.session.cache.stats()
     assert f'data-pinned="{stats.pinned}"' in update[tab.pins.list]
