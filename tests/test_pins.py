@@ -8,6 +8,7 @@ import torch
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import load_config
+from h2o_chat.pin_text import decode, find_span, token_pieces
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
 from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
 from h2o_chat.ui.provider import ModelProvider
@@ -174,6 +175,22 @@ def test_matching_ignores_whitespace_and_keeps_characters_whole(smollm):
     "".join(session.send("Thanks.", **GREEDY))
     pinned = sum(p.tokens for p in session.pins())
     assert session.cache.stats().held == 20 + pinned
+
+
+def test_text_spans_are_found_with_a_tokenizer_alone(smollm):
+    _, tokenizer = smollm
+    text = "Café naïve 🙂 and   spaced\n\nwords. Café!"
+    tokens = tokenizer(text, add_special_tokens=False).input_ids
+    firsts, pieces = token_pieces(tokenizer, tokens)
+    assert "".join(pieces) == decode(tokenizer, tokens) and firsts[0] == 0 and firsts[-1] == len(tokens)
+    assert all("\ufffd" not in piece for piece in pieces)  # the emoji's bytes stay in one piece
+    last, first = find_span(tokenizer, tokens, "Café"), find_span(tokenizer, tokens, "Café", near=0)
+    assert first[0] == 0 and last[0] > first[0]
+    assert decode(tokenizer, tokens[slice(*last)]).strip() == "Café"
+    assert "🙂" in decode(tokenizer, tokens[slice(*find_span(tokenizer, tokens, "🙂"))])
+    assert decode(tokenizer, tokens[slice(*find_span(tokenizer, tokens, "spaced words"))]).split() == ["spaced", "words"]
+    with pytest.raises(ValueError, match="'Quentaro' does not occur in the conversation"):
+        find_span(tokenizer, tokens, "Quentaro")
 
 
 def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm, recwarn):
