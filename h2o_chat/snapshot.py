@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .cache import H2OCache
+from .engine.cache import H2OCache
 from .config import CacheConfig
 from .session import ChatSession, Session, StorySession
 
@@ -67,31 +67,34 @@ def model_identity(model) -> dict[str, str]:
     return {"name": Path(name).name if name else model.config.model_type, "fingerprint": digest.hexdigest()}
 
 
+def _manifest(session: Session) -> tuple[dict[str, Any], bytes]:
+    """The manifest and tensor payload that describe ``session`` now."""
+    tensors, cache_state = session.cache.state()
+    payload = save_tensors(tensors)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_identity(session.model),
+        "cache": cache_state,
+        "tokens": list(session.tokens),
+        "fed": session.fed,
+        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    if isinstance(session, ChatSession):
+        return manifest | {"kind": "chat", "messages": [dict(m) for m in session.messages],
+                           "template_text": session.template_text}, payload
+    if isinstance(session, StorySession):
+        return manifest | {"kind": "story", "bible_tokens": session.bible_tokens}, payload
+    raise TypeError(f"cannot save a {type(session).__name__}")
+
+
 def save_session(session: Session, path: str | Path) -> Path:
     """Write ``session`` with its cache to ``path``; refused while a turn is running."""
-    if not session._turn_lock.acquire(blocking=False):
-        raise SnapshotError("a reply is still being generated: stop it or wait, then save")
     try:
-        tensors, cache_state = session.cache.state()
-        payload = save_tensors(tensors)
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": model_identity(session.model),
-            "cache": cache_state,
-            "tokens": list(session.tokens),
-            "fed": session.fed,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        }
-        if isinstance(session, ChatSession):
-            manifest |= {"kind": "chat", "messages": [dict(m) for m in session.messages],
-                         "template_text": session._text}
-        elif isinstance(session, StorySession):
-            manifest |= {"kind": "story", "bible_tokens": session.bible_tokens}
-        else:
-            raise TypeError(f"cannot save a {type(session).__name__}")
-    finally:
-        session._turn_lock.release()
+        with session.between_turns("save"):
+            manifest, payload = _manifest(session)
+    except RuntimeError as err:  # a turn is running
+        raise SnapshotError(f"{err}, or wait, then save") from None
     path = Path(path)
     partial = path.with_name(path.name + ".partial")  # renamed when complete: never half a file
     with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED) as archive:
@@ -181,7 +184,10 @@ def load_session(
         cache.reset()  # fresh again: the session may have protected its prompt already
         cache.spans.ranges.clear()
         raise
-    session.tokens, session.fed = tokens, fed
+    if isinstance(session, ChatSession):
+        session.restore(tokens, fed, manifest["template_text"])
+    else:
+        session.restore(tokens, fed)
     return session
 
 
@@ -203,7 +209,6 @@ def _new_session(manifest: dict, model, tokenizer, cache: H2OCache, tokens: list
                                   history=messages[1:] if system is not None else messages, **options)
         except ValueError as err:
             raise SnapshotError(f"chat session: {err}") from None
-        session._text = text
         return session
     if kind == "story":
         bible = manifest.get("bible_tokens")

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from h2o_chat import ChatSession, make_cache
+from h2o_chat import ChatSession, cache_from_config
 from h2o_chat.config import AppConfig
 from h2o_chat.session import SessionStats
 
@@ -197,16 +197,14 @@ class Engine:
         return "stop" if stops.stopped or ended or len(session.reply) < request.max_tokens else "length"
 
     def _new_session(self, model, tokenizer, history: tuple[Message, ...]) -> ChatSession:
-        cache, server = self.config.cache, self.config.server
+        cache = self.config.cache
         system = history[0].content if history and history[0].role == "system" else None
         turns = history[1:] if system is not None else history
         session = ChatSession(
-            model, tokenizer,
-            cache=make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
-                             recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm),
-            system_prompt=system or None, prefill_chunk_size=cache.prefill_chunk_size,
+            model, tokenizer, cache=cache_from_config(model, cache), system_prompt=system or None,
+            prefill_chunk_size=cache.prefill_chunk_size,
             history=[{"role": m.role, "content": m.content} for m in turns],
-            max_message_chars=server.max_message_chars)
+            max_message_chars=self.config.server.max_message_chars)
         for index, message in enumerate(turns, start=len(history) - len(turns)):
             if message.pin:
                 try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as app.py: idle OpenMP threads must not spin
 
-from h2o_chat import ChatSession, load_model, make_cache  # noqa: E402
+from h2o_chat import ChatSession, cache_from_config, load_model  # noqa: E402
 from h2o_chat.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,12 +57,9 @@ def run_concurrently(count: int, reply: Callable[[int], float]) -> tuple[float, 
 
 
 def python_reply(model, tokenizer, config, tokens: int) -> Callable[[int], float]:
-    cache = config.cache
-
     def reply(index: int) -> float:
         session = ChatSession(model, tokenizer, system_prompt=config.generation.system_prompt,
-                              cache=make_cache(model, cache.policy, heavy=cache.heavy, recent=cache.recent,
-                                               sink=cache.sink, score_norm=cache.score_norm))
+                              cache=cache_from_config(model, config.cache))
         began, first = time.perf_counter(), None
         for _ in session.send(QUESTIONS[index % len(QUESTIONS)], temperature=0, max_new_tokens=tokens,
                               min_new_tokens=tokens):
