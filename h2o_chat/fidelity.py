@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .cache import H2OCache, make_cache
+from .engine.build import make_cache
+from .engine.cache import H2OCache
 from .session import Session
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
@@ -78,8 +80,11 @@ class FidelityProbe:
         self.session = session
         self.top_k = top_k
         self.shadow = make_cache(session.model, "full")
-        for layer in self.shadow.layers:
-            layer.watch_newest = True
+        # Per shadow layer, the mass each slot got from the newest query at the latest
+        # step, (batch, kv_heads, held) float32, summed over the query heads of its group.
+        self._newest_attention: list[torch.Tensor | None] = [None] * len(self.shadow.layers)
+        for index, layer in enumerate(self.shadow.layers):
+            layer.attention_observer = partial(self._keep_newest_attention, index)
         self.shadow_tokens: list[int] = []  # what the shadow has read
         self._predicted_from: list[int] = []  # the conversation the points are about
         self.points: list[FidelityPoint] = []
@@ -114,6 +119,9 @@ class FidelityProbe:
         self._held_at = (end, held_positions(self.session.cache))
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _keep_newest_attention(self, index: int, probabilities: torch.Tensor) -> None:
+        self._newest_attention[index] = probabilities[:, :, :, -1].sum(dim=2)
 
     def _feed(self, ids: Sequence[int]) -> torch.Tensor:
         chunk = torch.tensor([list(ids)], device=self.session.model.device)
@@ -163,7 +171,7 @@ class FidelityProbe:
     def _point(self, position: int, logits: torch.Tensor, full_logits: torch.Tensor,
                visible: torch.Tensor) -> FidelityPoint:
         # A full cache never evicts, so its slot i holds position i.
-        attention = torch.stack([layer.newest_attention[0] for layer in self.shadow.layers]).cpu()
+        attention = torch.stack([newest[0] for newest in self._newest_attention]).cpu()
         query_heads = self.session.model.config.get_text_config(decoder=True).num_attention_heads
         lacking = ~visible
         lost = (attention * lacking).sum(dim=(0, 1)) / (attention.shape[0] * query_heads)

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .cache import H2OCache
+from .engine.cache import H2OCache
 from .config import CacheConfig
 from .session import ChatSession, Session, StorySession
 
