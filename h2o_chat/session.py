@@ -335,8 +335,9 @@ class ChatSession(Session):
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
         max_message_chars: int | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         history = [_checked_message(i, m) for i, m in enumerate(history)]
@@ -469,8 +470,9 @@ class StorySession(Session):
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         max_message_chars: int | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
         self.check_text(bible, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
