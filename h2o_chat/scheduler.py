@@ -27,12 +27,16 @@ from .engine.rows import RowsCache
 # hand in their next one. Each caller needs about a millisecond between steps; a caller
 # whose reader stalls (a slow client) costs the others at most this much per step.
 GATHER_S = 0.004
+# While others wait, a prompt is fed this many tokens per step: one piece of a long
+# paste is what another conversation's next token may have to wait for.
+PREFILL_PIECE = 64
 
 
 @dataclass
 class _Request:
     cache: Cache
     ids: torch.Tensor  # (1, n) token ids
+    fed: int = 0  # of which the worker has fed (a prompt goes in pieces)
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None  # (vocab,) of the last token, once run
     error: BaseException | None = None
@@ -58,11 +62,12 @@ class TakeTurns:
 class BatchScheduler:
     """The worker that owns ``model``'s forward passes (see the module docstring)."""
 
-    def __init__(self, model, gather_s: float = GATHER_S, max_batch: int = 64) -> None:
+    def __init__(self, model, gather_s: float = GATHER_S, max_batch: int = 64,
+                 prefill_piece: int = PREFILL_PIECE) -> None:
         # Weak: the scheduler is kept per model in a weak dictionary, which a strong
         # reference back would keep alive for ever.
         self._model = weakref.ref(model)
-        self.gather_s, self.max_batch = gather_s, max_batch
+        self.gather_s, self.max_batch, self.prefill_piece = gather_s, max_batch, prefill_piece
         self._pending: list[_Request] = []
         self._turns = 0  # callers in a turn: each will hand in requests until it ends
         self._changed = threading.Condition()
@@ -111,24 +116,30 @@ class BatchScheduler:
                                             name="h2o-chat-scheduler", daemon=True)
             self._worker.start()
 
-    def _next_step(self, timeout: float) -> tuple[list[_Request], _Request | None] | None:
-        """The decode rows and at most one prefill chunk of the next step; None when
-        nothing came within ``timeout``."""
+    def _next_step(self, timeout: float) -> tuple[list[_Request], _Request | None, int] | None:
+        """The decode rows of the next step, and at most one prompt with the end of the
+        piece of it to feed; None when nothing came within ``timeout``."""
         with self._changed:
             if not self._changed.wait_for(lambda: self._pending, timeout=timeout):
                 return None
             self._changed.wait_for(lambda: len(self._pending) >= self._turns, timeout=self.gather_s)
             decode = [r for r in self._pending if r.ids.shape[1] == 1][: self.max_batch]
-            prefill = next((r for r in self._pending if r.ids.shape[1] > 1), None)
-            taken = {id(r) for r in decode} | {id(prefill)}
+            prompt = next((r for r in self._pending if r.ids.shape[1] > 1), None)
+            taken = {id(r) for r in decode} | {id(prompt)}
             self._pending = [r for r in self._pending if id(r) not in taken]
-            return decode, prefill
+            end = 0
+            if prompt is not None:
+                # Whole when nobody else waits; else a piece, and the rest queues again
+                # behind the others' requests.
+                others = decode or self._pending or self._turns > 1
+                end = min(prompt.ids.shape[1], prompt.fed + self.prefill_piece) if others else prompt.ids.shape[1]
+            return decode, prompt, end
 
-    def _run(self, decode: list[_Request], prefill: _Request | None) -> None:
+    def _run(self, decode: list[_Request], prompt: _Request | None, end: int) -> None:
         model = self._model()  # alive: every caller holds it
         with torch.inference_mode():
-            if prefill is not None:
-                _settle([prefill], lambda: [forward_one(model, prefill.cache, prefill.ids)])
+            if prompt is not None:
+                self._feed_piece(model, prompt, end)
             if len(decode) == 1:
                 _settle(decode, lambda: [forward_one(model, decode[0].cache, decode[0].ids)])
             elif decode:
@@ -136,6 +147,28 @@ class BatchScheduler:
                                                      torch.cat([r.ids for r in decode])))
                 self.batched_rows += len(decode)
         self.steps += 1
+
+    def _feed_piece(self, model, prompt: _Request, end: int) -> None:
+        """Feed ``prompt``'s tokens up to ``end``; it is answered once fed whole. The
+        cache evicts only after the last piece, so pieces keep what one pass would."""
+        whole = prompt.fed == 0 and end == prompt.ids.shape[1]
+        try:
+            if not whole:
+                prompt.cache.hold_eviction(True)
+            logits = forward_one(model, prompt.cache, prompt.ids[:, prompt.fed : end])
+            if not whole and end == prompt.ids.shape[1]:
+                prompt.cache.hold_eviction(False)
+        except BaseException as err:  # reported to the caller; the worker carries on
+            prompt.error = err
+            prompt.done.set()
+            return
+        prompt.fed = end
+        if end < prompt.ids.shape[1]:
+            with self._changed:
+                self._pending.append(prompt)
+            return
+        prompt.logits = logits
+        prompt.done.set()
 
 
 def _work(scheduler_ref: weakref.ref) -> None:

@@ -122,6 +122,13 @@ class Session:
         """Stop the current generation after the token being computed (any thread)."""
         self._stop.set()
 
+    def prefill(self) -> None:
+        """Feed the tokens the cache has not seen yet (history given to the constructor,
+        a resumed file's unfed tokens) now rather than at the next send."""
+        with self.between_turns("prefill"):
+            if self.fed < len(self.tokens):
+                self._feed_unfed()
+
     def stats(self) -> SessionStats:
         return SessionStats(
             cache=self.cache.stats(),
