@@ -27,8 +27,9 @@ from .engine.rows import RowsCache
 # hand in their next one. Each caller needs about a millisecond between steps; a caller
 # whose reader stalls (a slow client) costs the others at most this much per step.
 GATHER_S = 0.004
-# While others wait, a prompt is fed this many tokens per step: one piece of a long
-# paste is what another conversation's next token may have to wait for.
+# A prompt is fed at most this many tokens per step, so a conversation that arrives
+# while a long paste is being read waits for one piece, not a whole chunk. On the 2-core
+# development machine 64-token pieces cost about what whole 256-token chunks cost.
 PREFILL_PIECE = 64
 
 
@@ -127,12 +128,7 @@ class BatchScheduler:
             prompt = next((r for r in self._pending if r.ids.shape[1] > 1), None)
             taken = {id(r) for r in decode} | {id(prompt)}
             self._pending = [r for r in self._pending if id(r) not in taken]
-            end = 0
-            if prompt is not None:
-                # Whole when nobody else waits; else a piece, and the rest queues again
-                # behind the others' requests.
-                others = decode or self._pending or self._turns > 1
-                end = min(prompt.ids.shape[1], prompt.fed + self.prefill_piece) if others else prompt.ids.shape[1]
+            end = 0 if prompt is None else min(prompt.ids.shape[1], prompt.fed + self.prefill_piece)
             return decode, prompt, end
 
     def _run(self, decode: list[_Request], prompt: _Request | None, end: int) -> None:

@@ -153,7 +153,7 @@ def latency_under_paste(model, tokenizer, paste_tokens: int, samples: int) -> di
     busy_while_reading = not done.is_set()
     thread.join()
     return {"idle": idle, "busy": busy, "paste_tokens": reader.fed, "all_during_paste": busy_while_reading,
-            "chunk": cache.prefill_chunk_size}
+            "piece": scheduler.prefill_piece}
 
 
 def table(runs: list[Run]) -> str:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         latency = latency_under_paste(model, tokenizer, args.paste_tokens, args.samples)
         idle95, busy95 = percentile(latency["idle"], 0.95), percentile(latency["busy"], 0.95)
         print(f"time to first token, short message: idle p95 {idle95:.2f} s, while a "
-              f"{latency['paste_tokens']}-token paste is read in {latency['chunk']}-token chunks p95 "
+              f"{latency['paste_tokens']}-token paste is read ({latency['piece']}-token pieces) p95 "
               f"{busy95:.2f} s = {busy95 / idle95:.2f}x (target <= 3x; all during the paste: "
               f"{latency['all_during_paste']})")
 
