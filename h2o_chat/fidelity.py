@@ -72,6 +72,12 @@ def held_positions(cache: H2OCache) -> torch.Tensor | None:
     return torch.stack([layer.positions[0] for layer in cache.layers])
 
 
+def _keep_newest_attention(store: list[torch.Tensor | None], index: int, probabilities: torch.Tensor) -> None:
+    """Store at ``index`` what the newest query gave each slot, ``(batch, kv_heads, held)``
+    float32, summed over the query heads of the slot's KV head."""
+    store[index] = probabilities[:, :, :, -1].sum(dim=2)
+
+
 class FidelityProbe:
     """A full-cache shadow of one session; ``points`` holds one ``FidelityPoint`` per
     forward pass of the session since it was attached."""
@@ -81,10 +87,11 @@ class FidelityProbe:
         self.top_k = top_k
         self.shadow = make_cache(session.model, "full")
         # Per shadow layer, the mass each slot got from the newest query at the latest
-        # step, (batch, kv_heads, held) float32, summed over the query heads of its group.
+        # step. The observers hold this list, not the probe: no cycle keeps the shadow's
+        # buffers alive after the probe is dropped.
         self._newest_attention: list[torch.Tensor | None] = [None] * len(self.shadow.layers)
         for index, layer in enumerate(self.shadow.layers):
-            layer.attention_observer = partial(self._keep_newest_attention, index)
+            layer.attention_observer = partial(_keep_newest_attention, self._newest_attention, index)
         self.shadow_tokens: list[int] = []  # what the shadow has read
         self._predicted_from: list[int] = []  # the conversation the points are about
         self.points: list[FidelityPoint] = []
@@ -119,9 +126,6 @@ class FidelityProbe:
         self._held_at = (end, held_positions(self.session.cache))
 
     # ---- internals --------------------------------------------------------------------------
-
-    def _keep_newest_attention(self, index: int, probabilities: torch.Tensor) -> None:
-        self._newest_attention[index] = probabilities[:, :, :, -1].sum(dim=2)
 
     def _feed(self, ids: Sequence[int]) -> torch.Tensor:
         chunk = torch.tensor([list(ids)], device=self.session.model.device)

@@ -221,8 +221,7 @@ class H2OLayer(CacheLayerMixin):
     @held.setter
     def held(self, held: int) -> None:
         self._held = held
-        for name, buffer in self._buffers.items():
-            setattr(self, name, buffer[:, :, :held])
+        self._point_views()
 
     @property
     def size(self) -> int:
@@ -234,7 +233,7 @@ class H2OLayer(CacheLayerMixin):
 
     def adopt(self, group: SlotGroup, buffers: dict[str, torch.Tensor], closes_group: bool) -> None:
         self.group, self.closes_group, self._buffers = group, closes_group, buffers
-        self.held = self._held
+        self._point_views()
 
     # ---- the cache's side --------------------------------------------------------------
 
@@ -267,6 +266,10 @@ class H2OLayer(CacheLayerMixin):
         plus one prefill chunk) once and never reallocates after that."""
         if slots > self.size:
             self.group.resize(grown_size(self.size, slots, self.held, self.policy.capacity, self.pinned_slots))
+
+    def _point_views(self) -> None:
+        for name, buffer in self._buffers.items():
+            setattr(self, name, buffer[:, :, : self._held])
 
     def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.is_initialized:

@@ -8,7 +8,7 @@ from typing import Any
 import gradio as gr
 
 from h2o_chat.config import POLICIES, AppConfig, CacheConfig, ConfigError, validate
-from h2o_chat.engine.build import cache_from_config, policy_from_config
+from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
 
 
@@ -65,7 +65,7 @@ class Settings:
         """The cache settings, checked by the config file's rules; gr.Error if bad."""
         cache = dataclasses.replace(
             self.config.cache, policy=values[self.policy], rolling=bool(values[self.rolling]),
-            **{name: _int_or_none(values[getattr(self, name)]) for name in ("heavy", "recent", "sink")},
+            **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
         )
         try:
             return validate(dataclasses.replace(self.config, cache=cache)).cache
