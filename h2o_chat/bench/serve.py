@@ -1,6 +1,6 @@
 """Serving: many conversations at once, batched or taking turns, bounded or full.
 
-``python -m h2o_chat.bench.serve [--quick | --full] [--threads 1] [--device cpu|cuda]``
+``python -m h2o_chat.bench serve [--quick | --full] [--threads 1] [--serve-configs 4x2048,...]``
 
 Each conversation first reads a history of ``H`` tokens (its own passage of Pride and
 Prejudice, as one user message), then N of them run concurrently, one thread each,
@@ -17,18 +17,14 @@ while another conversation reads a long paste (``--paste-tokens``) in chunks.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import torch
-
-from h2o_chat.config import CacheConfig, ModelConfig
+from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import cache_from_config
-from h2o_chat.loading import load_model
 from h2o_chat.scheduler import BatchScheduler, TakeTurns
 from h2o_chat.session import ChatSession
 
@@ -36,12 +32,6 @@ from . import data
 from .speed import RssSampler
 
 MODES = ("batched h2o", "take turns h2o", "batched full")
-PRESETS = {
-    # The issue's targets: 4 and 8 conversations at 2048 (batched vs take turns), 4 at
-    # 4096 (h2o vs full), KV bytes of 8 at 4096.
-    "quick": dict(configs=[(4, 2048), (8, 2048), (4, 4096), (8, 4096)], max_new_tokens=64, turns=1),
-    "full": dict(configs=[(n, h) for h in (512, 2048, 4096) for n in (1, 2, 4, 8)], max_new_tokens=64, turns=2),
-}
 
 
 @dataclass
@@ -156,16 +146,66 @@ def latency_under_paste(model, tokenizer, paste_tokens: int, samples: int) -> di
             "piece": scheduler.prefill_piece}
 
 
-def table(runs: list[Run]) -> str:
+def run(model, tokenizer, configs: list[tuple[int, int]], max_new_tokens: int, turns: int,
+        paste_tokens: int, samples: int, log=print) -> dict:
+    """Every configuration ``(conversations, history)`` in every mode, then the latency
+    test; a JSON-able result for ``markdown``/``plot``."""
+    questions = data.mt_bench_questions()
+    runs: list[Run] = []
+    for index, (n, history) in enumerate(configs):
+        texts = passages(tokenizer, n, history)
+        order = MODES[index % len(MODES):] + MODES[: index % len(MODES)]
+        for mode in order:
+            runs.append(run_mode(model, tokenizer, mode, questions[index * 8 :], texts, history,
+                                 max_new_tokens, turns))
+            log(f"serve {n} x {history}: {mode}: {runs[-1].aggregate:.2f} tok/s aggregate")
+    result = {"runs": [asdict(r) | {"aggregate": r.aggregate} for r in runs], "ratios": ratios(runs),
+              "config": {"max_new_tokens": max_new_tokens, "turns": turns, "policy": asdict(CacheConfig())}}
+    if paste_tokens:
+        result["latency"] = latency_under_paste(model, tokenizer, paste_tokens, samples)
+    return result
+
+
+def markdown(result: dict) -> str:
     lines = ["| conversations | history | mode | aggregate tok/s | per conversation tok/s (median) "
              "| TTFT p50 / p95 s | KV MB in use | peak RSS MB |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {r.conversations} | {r.history} | {r.mode} | {r.aggregate:.2f} "
-                     f"| {statistics.median(r.per_conversation):.2f} "
-                     f"| {percentile(r.ttft, 0.5):.2f} / {percentile(r.ttft, 0.95):.2f} "
-                     f"| {r.kv_bytes / 2**20:.1f} | {r.peak_rss / 2**20:.0f} |")
+    for r in result["runs"]:
+        lines.append(f"| {r['conversations']} | {r['history']} | {r['mode']} | {r['aggregate']:.2f} "
+                     f"| {statistics.median(r['per_conversation']):.2f} "
+                     f"| {percentile(r['ttft'], 0.5):.2f} / {percentile(r['ttft'], 0.95):.2f} "
+                     f"| {r['kv_bytes'] / 2**20:.1f} | {r['peak_rss'] / 2**20:.0f} |")
+    lines += ["", *(f"- {line}" for line in result["ratios"])]
+    if latency := result.get("latency"):
+        idle95, busy95 = percentile(latency["idle"], 0.95), percentile(latency["busy"], 0.95)
+        lines.append(f"- time to first token of a short message: idle p95 {idle95:.2f} s; while a "
+                     f"{latency['paste_tokens']}-token paste is read ({latency['piece']}-token pieces) "
+                     f"p95 {busy95:.2f} s = {busy95 / idle95:.2f}x (target <= 3x; every message "
+                     f"during the paste: {latency['all_during_paste']})")
     return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    configs = list(dict.fromkeys((r["conversations"], r["history"]) for r in result["runs"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(configs)), 3.8))
+    width = 0.8 / len(MODES)
+    for m, mode in enumerate(MODES):
+        values = [next((r["aggregate"] for r in result["runs"]
+                        if (r["conversations"], r["history"]) == c and r["mode"] == mode), 0) for c in configs]
+        ax.bar([i + m * width for i in range(len(configs))], values, width, label=mode)
+    ax.set_xticks([i + width for i in range(len(configs))], [f"{n} x {h}" for n, h in configs])
+    ax.set_xlabel("conversations x history tokens")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 def ratios(runs: list[Run]) -> list[str]:
@@ -183,55 +223,3 @@ def ratios(runs: list[Run]) -> list[str]:
         share = by[8, 4096, "batched h2o"].kv_bytes / by[8, 4096, "batched full"].kv_bytes
         lines.append(f"8 conversations at 4096: h2o KV bytes / full = {share:.3f} (target <= 0.2)")
     return lines
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m h2o_chat.bench.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="preset", action="store_const", const="quick")
-    mode.add_argument("--full", dest="preset", action="store_const", const="full")
-    p.set_defaults(preset="quick")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--max-new-tokens", type=int, help="reply length cap per turn")
-    p.add_argument("--paste-tokens", type=int, default=20000, help="latency test: tokens of the long paste")
-    p.add_argument("--samples", type=int, default=8, help="latency test: short messages each way")
-    p.add_argument("--skip-latency", action="store_true", help="only the throughput runs")
-    p.add_argument("--configs", help="comma list of CONVERSATIONSxHISTORY, e.g. 4x2048,8x2048")
-    args = p.parse_args(argv)
-    preset = PRESETS[args.preset]
-    configs = preset["configs"]
-    if args.configs:
-        configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(ModelConfig(device=args.device, threads=args.threads,
-                                              dtype="bfloat16" if args.device == "cuda" else "auto"))
-    print(f"serve benchmark: {args.preset}, {torch.get_num_threads()} torch thread(s), device {args.device}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average {os.getloadavg()[0]:.1f}",
-          flush=True)
-    questions = data.mt_bench_questions()
-    runs: list[Run] = []
-    for index, (n, history) in enumerate(configs):
-        texts = passages(tokenizer, n, history)
-        order = MODES[index % len(MODES):] + MODES[: index % len(MODES)]
-        for mode_name in order:
-            run = run_mode(model, tokenizer, mode_name, questions[index * 8 :], texts, history,
-                           args.max_new_tokens or preset["max_new_tokens"], preset["turns"])
-            runs.append(run)
-            print(f"  {n} x {history}: {mode_name}: {run.aggregate:.2f} tok/s aggregate, "
-                  f"{run.tokens} tokens in {run.seconds:.1f} s", flush=True)
-    print(table(runs))
-    for line in ratios(runs):
-        print(line)
-    if not args.skip_latency:
-        latency = latency_under_paste(model, tokenizer, args.paste_tokens, args.samples)
-        idle95, busy95 = percentile(latency["idle"], 0.95), percentile(latency["busy"], 0.95)
-        print(f"time to first token, short message: idle p95 {idle95:.2f} s, while a "
-              f"{latency['paste_tokens']}-token paste is read ({latency['piece']}-token pieces) p95 "
-              f"{busy95:.2f} s = {busy95 / idle95:.2f}x (target <= 3x; all during the paste: "
-              f"{latency['all_during_paste']})")
-
-
-if __name__ == "__main__":
-    main()
