@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,17 +23,7 @@ from .engine.cache import CacheStats, H2OCache
 from .loading import eos_token_ids
 from .config import CacheConfig, GenerationConfig, check_field
 from .pin_text import decode, find_span, shorten
-
-_model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_model_locks_guard = threading.Lock()
-
-
-def _model_lock(model) -> threading.Lock:
-    """One lock per model: sessions in several threads take turns per forward pass, so
-    their tokens interleave fairly without oversubscribing the CPU threads."""
-    with _model_locks_guard:
-        return _model_locks.setdefault(model, threading.Lock())
-
+from .scheduler import BatchScheduler, TakeTurns, scheduler_for
 
 @dataclass
 class Sampling:
@@ -104,6 +93,7 @@ class Session:
         cache: H2OCache | None = None,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         max_message_chars: int | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
@@ -117,7 +107,9 @@ class Session:
         self.fed = 0
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()
-        self._model_lock = _model_lock(model)
+        # Every forward pass goes through the model's one scheduler, which batches the
+        # decode steps of all sessions on the model (TakeTurns: one pass at a time).
+        self.runner = runner or scheduler_for(model)
         self.reply: list[int] = []  # tokens generated in the current or last turn
         self._decode_tokens_per_s = 0.0
         self._prefill_seconds = 0.0
@@ -126,9 +118,9 @@ class Session:
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), device=model.device)
         self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
         self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans
-        # Called after every forward pass, still holding the model lock, with the token
-        # list, the span [start, end) of it just fed and the logits of its last token;
-        # e.g. a fidelity probe feeding the same tokens to a second cache.
+        # Called after every forward pass, before the next, with the token list, the
+        # span [start, end) of it just fed and the logits of its last token; e.g. a
+        # fidelity probe feeding the same tokens to a second cache.
         self.observer: Callable[[list[int], int, int, torch.Tensor], None] | None = None
 
     # ---- public ---------------------------------------------------------------------------
@@ -136,6 +128,13 @@ class Session:
     def stop(self) -> None:
         """Stop the current generation after the token being computed (any thread)."""
         self._stop.set()
+
+    def prefill(self) -> None:
+        """Feed the tokens the cache has not seen yet (history given to the constructor,
+        a resumed file's unfed tokens) now rather than at the next send."""
+        with self.between_turns("prefill"):
+            if self.fed < len(self.tokens):
+                self._feed_unfed()
 
     def stats(self) -> SessionStats:
         return SessionStats(
@@ -244,15 +243,13 @@ class Session:
         logits = None
         for chunk in pending.split(self.prefill_chunk_size, dim=1):
             try:
-                with self._model_lock, torch.inference_mode():
-                    out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-                    if self.observer is not None:
-                        self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], out.logits[0, -1])
+                logits = self.runner.forward(self.cache, chunk)
+                if self.observer is not None:
+                    self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], logits)
             except BaseException:
                 self._rebuild_cache(self.fed)
                 raise
             self.fed += chunk.shape[1]
-            logits = out.logits[0, -1]
         return logits
 
     def _rebuild_cache(self, upto: int) -> None:
@@ -293,7 +290,8 @@ class Session:
             if pin is not None:
                 # Not fed yet, so nothing of it can have been evicted: this always works.
                 self.cache.protect(length + pin[0], length + pin[1])
-            yield from self._decode_loop(sampling)
+            with self.runner.turn():
+                yield from self._decode_loop(sampling)
         except BaseException:
             if not generated:
                 self._take_back(length)  # nothing came of the new tokens: forget them
@@ -352,8 +350,9 @@ class ChatSession(Session):
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
         max_message_chars: int | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         history = [_checked_message(i, m) for i, m in enumerate(history)]
@@ -486,8 +485,9 @@ class StorySession(Session):
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         max_message_chars: int | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
         self.check_text(bible, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.

@@ -1,11 +1,11 @@
-"""Turns of API conversations on today's sessions: admission, a worker thread per turn,
-and the turn's events handed to the event loop.
+"""Turns of API conversations on sessions: admission, a worker thread per turn, and the
+turn's events handed to the event loop.
 
-The routes see only ``Engine.start`` and the ``Turn`` it returns (an async stream of
-``Delta`` and a final ``Finished``), so a batching scheduler can replace this engine
-without touching them. Here each admitted turn runs ``ChatSession.send`` on its own
-thread, and the turns take their forward passes in turn through the session's per-model
-lock.
+Each admitted turn runs ``ChatSession.send`` on its own thread; the model's scheduler
+batches the decode steps of all turns decoding at once. The routes see only
+``Engine.start`` and the ``Turn`` it returns (an async stream of ``Delta`` and a final
+``Finished``), so another way of running turns can replace this engine without touching
+them.
 """
 
 from __future__ import annotations
