@@ -113,6 +113,7 @@ def test_x_session_id_binds_a_client_to_its_conversation(url):
 def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url):
     questions = ["Why is the sky blue?", "Write a haiku about the sea."]
     replies = {}
+    batched = metric(url, "h2o_chat_batched_decode_rows_total")
 
     def run(question):
         replies[question] = ask(url, [{"role": "user", "content": question}], max_tokens=24)[0]
@@ -126,6 +127,7 @@ def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url)
         expected = "".join(reference_session(smollm, config).send(question, temperature=0, max_new_tokens=24))
         assert replies[question].choices[0].message.content == expected
     assert replies[questions[0]].model_extra["h2o"]["session_id"] != replies[questions[1]].model_extra["h2o"]["session_id"]
+    assert metric(url, "h2o_chat_batched_decode_rows_total") > batched  # they decoded as one batch
 
 
 def test_stop_strings_cut_the_reply_before_them(url):
@@ -200,7 +202,8 @@ def test_models_health_and_metrics(url):
                  "h2o_chat_cached_prompt_tokens_total", "h2o_chat_evicted_tokens_total",
                  "h2o_chat_active_generations", "h2o_chat_queued_requests", "h2o_chat_kv_bytes_allocated",
                  "h2o_chat_kv_bytes_held", "h2o_chat_api_conversations", "h2o_chat_request_seconds_count",
-                 "h2o_chat_time_to_first_token_seconds_count"):
+                 "h2o_chat_time_to_first_token_seconds_count", "h2o_chat_forward_steps_total",
+                 "h2o_chat_batched_decode_rows_total", "h2o_chat_scheduler_turns"):
         assert f"\n{name} " in text or f"\n{name}{{" in text, name
     assert metric(url, "h2o_chat_kv_bytes_held") > 0
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from h2o_chat.scheduler import BatchScheduler
 
 from .conversations import Conversation
 
@@ -36,8 +38,33 @@ class _ConversationCollector(Collector):
                                 value=sum(s.held_bytes for s in stats))
 
 
+class _SchedulerCollector(Collector):
+    """The model's scheduler, which runs the page's and the API's forward passes: steps
+    run, decode rows run in batches of more than one, and its load now."""
+
+    def __init__(self, scheduler: Callable[[], BatchScheduler | None]) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        scheduler = self._scheduler()
+        if scheduler is None:  # the model is still loading
+            return
+        turns, pending = scheduler.load()
+        yield CounterMetricFamily("h2o_chat_forward_steps", "Forward passes the model's scheduler ran",
+                                  value=scheduler.steps)
+        yield CounterMetricFamily("h2o_chat_batched_decode_rows",
+                                  "Decode rows run in batches of two or more conversations",
+                                  value=scheduler.batched_rows)
+        yield GaugeMetricFamily("h2o_chat_scheduler_turns", "Replies (page and API) generating now",
+                                value=turns)
+
+
 class Metrics:
-    def __init__(self, conversations: Callable[[], list[Conversation]]) -> None:
+    """``conversations`` lists the kept API conversations; ``scheduler`` gives the model's
+    scheduler, None while the model loads."""
+
+    def __init__(self, conversations: Callable[[], list[Conversation]],
+                 scheduler: Callable[[], BatchScheduler | None]) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("h2o_chat_requests", "API requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
@@ -59,6 +86,7 @@ class Metrics:
         self.ttft = Histogram("h2o_chat_time_to_first_token_seconds", "Time from arrival to the first "
                               "text of the reply", buckets=_BUCKETS, registry=registry)
         registry.register(_ConversationCollector(conversations))
+        registry.register(_SchedulerCollector(scheduler))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

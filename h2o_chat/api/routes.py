@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from h2o_chat.config import AppConfig
+from h2o_chat.scheduler import scheduler_for
 
 from .conversations import ConversationStore, check_session_id
 from .engine import Delta, Engine, Finished, Turn
@@ -35,7 +36,8 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     be loading). ``released`` runs after kept conversations are freed."""
     server = config.server
     store = ConversationStore(server.api_max_conversations, server.idle_release_minutes * 60, released)
-    metrics = Metrics(store.conversations)
+    metrics = Metrics(store.conversations,
+                      lambda: scheduler_for(provider.get().model) if provider.ready else None)
     engine = Engine(provider, config, metrics, store)
     authorize = _authorizer(server.api_key, login=server.username is not None)
     max_body = server.api_max_request_mb * 2**20
