@@ -44,7 +44,6 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     started = int(time.time())
     # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
-    api.state.engine, api.state.metrics = engine, metrics
 
     def count(request: Request, status: int) -> None:
         # By route template, not path: clients must not be able to add label values.
