@@ -154,6 +154,22 @@ def test_a_pinned_message_stays_out_of_eviction(url):
     pinned, _ = ask(url, [{"role": "user", "content": "My name is Ada Lovelace.", "pin": True}], max_tokens=4)
     extra = pinned.model_extra["h2o"]["pinned"] - plain.model_extra["h2o"]["pinned"]
     assert extra > 4  # the message's tokens, besides the system prompt
+    history = [{"role": "user", "content": "My name is Ada Lovelace.", "pin": True},
+               {"role": "assistant", "content": pinned.choices[0].message.content},
+               {"role": "user", "content": "Who am I?"}]
+    # Sent again with its pin, the pinned conversation continues; without it, the unpinned
+    # one (the same greedy reply) does: pins are part of what a conversation holds.
+    continued, _ = ask(url, history, max_tokens=4)
+    assert continued.usage.prompt_tokens_details.cached_tokens > 0
+    assert continued.model_extra["h2o"]["pinned"] == pinned.model_extra["h2o"]["pinned"]
+    assert plain.choices[0].message.content == pinned.choices[0].message.content
+    unpinned, _ = ask(url, [dict(history[0], pin=False), *history[1:]], max_tokens=4)
+    assert unpinned.usage.prompt_tokens_details.cached_tokens > 0
+    assert unpinned.model_extra["h2o"]["pinned"] == plain.model_extra["h2o"]["pinned"]
+    # A pinned message of a history read into a fresh conversation is pinned too.
+    fresh, _ = ask(url, [dict(history[0], content="My name is Grace Hopper."), *history[1:]], max_tokens=4)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.model_extra["h2o"]["pinned"] > plain.model_extra["h2o"]["pinned"] + 4
 
 
 def test_raw_server_sent_events(url):
