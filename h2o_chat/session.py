@@ -21,6 +21,8 @@ import torch
 
 from .cache import CacheStats, H2OCache, make_cache
 from .config import CacheConfig, GenerationConfig, check_field
+from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
+                     check_system_prompt)
 
 _model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
@@ -94,13 +96,11 @@ class Session:
         tokenizer,
         cache: H2OCache | None = None,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
-        if max_message_chars is not None:
-            check_field("server.max_message_chars", max_message_chars)
-        self.max_message_chars = max_message_chars  # None = no limit
+        self.limits = limits or InputLimits()  # what texts and the conversation may hold
         defaults = CacheConfig()
         self.model, self.tokenizer = model, tokenizer
         self.cache = cache or make_cache(
@@ -130,7 +130,9 @@ class Session:
     # ---- public ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop the current generation after the token being computed (any thread)."""
+        """Stop the current turn after the forward pass under way (any thread): a token
+        being generated, or one chunk of the prefill (the rest stays unfed, read on the
+        next send)."""
         self._stop.set()
 
     def stats(self) -> SessionStats:
@@ -142,20 +144,6 @@ class Session:
             decode_tokens_per_s=self._decode_tokens_per_s,
             prefill_seconds=self._prefill_seconds,
         )
-
-    def _checked_text(self, text: object, what: str) -> str:
-        """``text`` if it is a string a turn can take; a ValueError saying why not."""
-        if not isinstance(text, str):
-            raise ValueError(f"{what} must be a string, got {type(text).__name__}")
-        limit = self.max_message_chars
-        if limit is not None and len(text) > limit:
-            raise ValueError(f"{what} is {len(text):,} characters long; the limit is {limit:,} "
-                             "(server.max_message_chars)")
-        # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
-        if bad := _SURROGATE.search(text):
-            raise ValueError(f"{what} contains an unpaired surrogate (U+{ord(bad.group()):04X}) at "
-                             f"character {bad.start()}: not valid Unicode text")
-        return text
 
     # ---- pinned memory --------------------------------------------------------------------
 
@@ -270,11 +258,14 @@ class Session:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _feed_unfed(self) -> torch.Tensor:
-        """Feed every token the cache has not seen, in chunks; logits of the last one."""
+    def _feed_unfed(self) -> torch.Tensor | None:
+        """Feed every token the cache has not seen, in chunks; logits of the last one, or
+        None when ``stop()`` ended the prefill between two chunks."""
         pending = torch.tensor([self.tokens[self.fed :]], device=self.model.device)
         logits = None
         for chunk in pending.split(self.prefill_chunk_size, dim=1):
+            if self._stop.is_set():
+                return None  # consistent as it stands: the cache saw tokens[:fed]
             try:
                 with self._model_lock, torch.inference_mode():
                     out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -342,10 +333,10 @@ class Session:
         self._prefill_seconds = time.perf_counter() - started
         decode_started, emitted = time.perf_counter(), ""
         for step in range(sampling.max_new_tokens):
-            if self._stop.is_set():
-                break
-            if step:
+            if step and not self._stop.is_set():
                 logits = self._feed_unfed()
+            if logits is None or self._stop.is_set():
+                break
             if self._never_sampled is not None:
                 logits = logits.index_fill(0, self._never_sampled, float("-inf"))
             token = sample_token(logits.cpu(), sampling, generator)
@@ -382,12 +373,12 @@ class ChatSession(Session):
         protect_system_prompt: bool = True,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
-        history = [_checked_message(i, m) for i, m in enumerate(history)]
+        system_prompt, history = check_conversation(system_prompt, history, self.limits)
         self.messages: list[dict[str, str]] = []
         self._text = ""  # the template text of self.tokens
         if system_prompt:
@@ -407,8 +398,8 @@ class ChatSession(Session):
     def send(self, text: str, pin: bool = False, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
         pins the message's tokens (its content, not the template around it)."""
-        if not self._checked_text(text, "the message").strip():
-            raise ValueError("message is empty: type something to send")
+        if not check_chat_turn(text, self.messages, self.limits).strip():
+            raise InputError("message is empty: type something to send", "the message")
         return self._turn(text, Sampling(**sampling), pin)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
@@ -475,9 +466,6 @@ class ChatSession(Session):
         return rendered, tokens, spans
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _short(text: str, limit: int = 60) -> str:
     """``text`` cut to ``limit`` characters for a message."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -485,14 +473,6 @@ def _short(text: str, limit: int = 60) -> str:
 
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
-
-
-def _checked_message(index: int, message: Mapping[str, str]) -> dict[str, str]:
-    role, content = message.get("role"), message.get("content")
-    if role not in ("user", "assistant") or not isinstance(content, str):
-        raise ValueError(f"history[{index}] = {message!r}: must be a user or assistant "
-                         "message with string content")
-    return {"role": role, "content": content}
 
 
 class StorySession(Session):
@@ -510,10 +490,10 @@ class StorySession(Session):
         cache: H2OCache | None = None,
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars)
-        self._checked_text(bible, "the story bible")
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits)
+        check_system_prompt(bible, self.limits, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
         self._never_sampled = torch.tensor(sorted(self.eos_ids), device=model.device)
@@ -530,11 +510,11 @@ class StorySession(Session):
     def send(self, text: str = "", pin: bool = False, **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation;
         ``pin`` pins ``text``'s tokens."""
-        self._checked_text(text, "the new story text")
+        check_story_turn(text, len(self._decode(self.tokens)), self.limits)
         if not self.tokens and not text:
-            raise ValueError("the story is empty: write a beginning to continue from")
+            raise InputError("the story is empty: write a beginning to continue from", "the new story text")
         if pin and not text:
-            raise ValueError("nothing to pin: no new text to append")
+            raise InputError("nothing to pin: no new text to append", "the new story text")
         return self._turn(text, Sampling(**sampling), pin)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
