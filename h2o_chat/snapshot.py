@@ -104,13 +104,17 @@ def save_session(session: Session, path: str | Path) -> Path:
             raise TypeError(f"cannot save a {type(session).__name__}")
     finally:
         session._turn_lock.release()
+    return write_session_file(path, json.dumps(manifest, ensure_ascii=False).encode(), payload)
+
+
+def write_session_file(path: str | Path, manifest: bytes, payload: bytes) -> Path:
+    """The session file of a manifest's and a payload's bytes, with their checksum."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")  # renamed when complete: never half a file
-    manifest_bytes = json.dumps(manifest, ensure_ascii=False).encode()
     with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr(MANIFEST, manifest_bytes)
+        archive.writestr(MANIFEST, manifest)
         archive.writestr(TENSORS, payload)
-        archive.writestr(CHECKSUM, _checksum(manifest_bytes, payload))
+        archive.writestr(CHECKSUM, _checksum(manifest, payload))
     partial.replace(path)
     return path
 

@@ -79,4 +79,4 @@ def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> C
     except InputError as err:
         if isinstance(err, TranscriptError):
             raise
-        raise TranscriptError(f"conversation file: {err}", err.field) from None
+        raise TranscriptError(str(err), err.field) from None

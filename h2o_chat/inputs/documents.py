@@ -47,7 +47,7 @@ def read_json(data: bytes | str, what: str, max_bytes: int) -> Any:
     except RecursionError:
         raise InputError(f"{what} is nested deeper than {MAX_DEPTH} levels", what) from None
     except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
-        raise InputError(f"{what} is not valid JSON ({err})", what) from None
+        raise InputError(f"{what}: invalid JSON ({err})", what) from None
     _check_depth(document, what)
     return document
 
