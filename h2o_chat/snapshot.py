@@ -37,7 +37,7 @@ from safetensors.torch import save as save_tensors
 
 from .cache import H2OCache
 from .config import CacheConfig
-from .inputs import InputError, InputLimits, read_json, read_member, require_int
+from .inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
 from .inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,
                                   check_tokens, max_story_tokens)
 from .inputs.text import check_chars
@@ -126,7 +126,7 @@ def read_manifest(path: str | Path, limits: InputLimits | None = None) -> tuple[
     limits = limits or InputLimits()
     members = {MANIFEST: limits.document_bytes, TENSORS: MAX_BYTES, CHECKSUM: 64}
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(path) as archive, refused_as(SnapshotError):
             names = sorted(archive.namelist())
             if names != sorted(members):
                 raise SnapshotError(f"not a session file: it holds {_short_list(names)}, expected "
@@ -143,10 +143,8 @@ def read_manifest(path: str | Path, limits: InputLimits | None = None) -> tuple[
     if checksum != _checksum(manifest_bytes, payload).encode():
         raise SnapshotError(f"session file is corrupted or was edited: {MANIFEST} and {TENSORS} do "
                             f"not match the sha256 in {CHECKSUM}", CHECKSUM)
-    try:
+    with refused_as(SnapshotError):
         manifest = read_json(manifest_bytes, MANIFEST, limits.document_bytes)
-    except InputError as err:
-        raise SnapshotError(f"session file is corrupted: {err}", err.field) from None
     if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"not a session file: {MANIFEST} lacks \"format\": \"{FORMAT}\"")
     if manifest.get("version") != VERSION:
@@ -195,21 +193,20 @@ def load_session(
     del payload  # the tensors are a copy
     vocab = model.get_input_embeddings().num_embeddings
     try:
-        tokens, fed = check_tokens(tensors.pop("tokens", None), manifest.get("fed"), vocab,
-                                   _most_tokens(manifest, limits), limits)
-        check_cache_state(cache_state, tensors, fed, len(tokens), cache, model, prefill_chunk_size)
-        session = _new_session(manifest, model, tokenizer, cache, tokens,
-                               dict(prefill_chunk_size=prefill_chunk_size, limits=limits))
+        with refused_as(SnapshotError):
+            tokens, fed = check_tokens(tensors.pop("tokens", None), manifest.get("fed"), vocab,
+                                       _most_tokens(manifest, limits), limits)
+            check_cache_state(cache_state, tensors, fed, len(tokens), cache, model, prefill_chunk_size)
+            session = _new_session(manifest, model, tokenizer, cache, tokens,
+                                   dict(prefill_chunk_size=prefill_chunk_size, limits=limits))
         try:
             cache.load_state(tensors, cache_state, model.device)
         except (KeyError, TypeError, ValueError) as err:
             raise SnapshotError(f"session file does not describe a valid cache: {err}") from None
-    except InputError as err:
+    except SnapshotError:
         cache.reset()  # fresh again: the session may have protected its prompt already
         cache.spans.ranges.clear()
-        if isinstance(err, SnapshotError):
-            raise
-        raise SnapshotError(str(err), err.field) from None
+        raise
     session.tokens, session.fed = tokens, fed
     return session
 

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .inputs import InputError, InputLimits, check_conversation, read_json
+from .inputs import InputError, InputLimits, check_conversation, read_json, refused_as
 from .session import ChatSession
 
 FORMAT = "h2o-chat/conversation"
@@ -64,7 +64,7 @@ def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> C
     """Parse an exported conversation; TranscriptError if it is not one this app wrote or
     it does not keep within ``limits``."""
     limits = limits or InputLimits()
-    try:
+    with refused_as(TranscriptError):
         document = read_json(data, "conversation file", limits.document_bytes)
         if not isinstance(document, Mapping) or document.get("format") != FORMAT:
             raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
@@ -76,7 +76,3 @@ def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> C
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null", "system_prompt")
         return Conversation(*check_conversation(system_prompt, document.get("messages"), limits, "messages"))
-    except InputError as err:
-        if isinstance(err, TranscriptError):
-            raise
-        raise TranscriptError(str(err), err.field) from None

@@ -8,7 +8,7 @@ outside reaches the model around them.
 """
 
 from .documents import read_json, read_member, require_int
-from .limits import InputError, InputLimits
+from .limits import InputError, InputLimits, refused_as
 from .text import (check_chat_turn, check_conversation, check_message, check_story_turn,
                    check_system_prompt, check_text)
 
@@ -23,5 +23,6 @@ __all__ = [
     "check_text",
     "read_json",
     "read_member",
+    "refused_as",
     "require_int",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from ..config import ServerConfig, check_field
@@ -18,6 +20,18 @@ class InputError(ValueError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+@contextmanager
+def refused_as(error_type: type[InputError]) -> Iterator[None]:
+    """Raise the refusals inside as ``error_type`` (an InputError for one kind of input,
+    say a session file), same message and field."""
+    try:
+        yield
+    except InputError as err:
+        if isinstance(err, error_type):
+            raise
+        raise error_type(str(err), err.field) from None
 
 
 @dataclass(frozen=True)
