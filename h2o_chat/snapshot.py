@@ -144,7 +144,7 @@ def read_manifest(path: str | Path, limits: InputLimits | None = None) -> tuple[
         raise SnapshotError(f"session file is corrupted or was edited: {MANIFEST} and {TENSORS} do "
                             f"not match the sha256 in {CHECKSUM}", CHECKSUM)
     with refused_as(SnapshotError):
-        manifest = read_json(manifest_bytes, MANIFEST, limits.document_bytes)
+        manifest = read_json(manifest_bytes, MANIFEST, limits.document_bytes, limits.document_values)
     if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"not a session file: {MANIFEST} lacks \"format\": \"{FORMAT}\"")
     if manifest.get("version") != VERSION:
@@ -174,8 +174,10 @@ def load_session(
     manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
         raise SnapshotError(f"this is a {manifest.get('kind')} session file, not a {kind} session")
-    saved, ours = manifest.get("model") or {}, model_identity(model)
-    if not isinstance(saved, Mapping) or saved.get("fingerprint") != ours["fingerprint"]:
+    saved, ours = manifest.get("model"), model_identity(model)
+    if not isinstance(saved, Mapping):
+        raise SnapshotError(f"not a session file: {MANIFEST} lacks the model's fingerprint", f"{MANIFEST}: model")
+    if saved.get("fingerprint") != ours["fingerprint"]:
         raise SnapshotError(f"this session was saved with another model: {saved.get('name')!r} "
                             f"(fingerprint {str(saved.get('fingerprint'))[:12]}), the loaded model is "
                             f"{ours['name']!r} ({ours['fingerprint'][:12]})")

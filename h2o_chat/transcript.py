@@ -65,7 +65,7 @@ def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> C
     it does not keep within ``limits``."""
     limits = limits or InputLimits()
     with refused_as(TranscriptError):
-        document = read_json(data, "conversation file", limits.document_bytes)
+        document = read_json(data, "conversation file", limits.document_bytes, limits.document_values)
         if not isinstance(document, Mapping) or document.get("format") != FORMAT:
             raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
         version = document.get("version")

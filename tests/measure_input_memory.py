@@ -2,7 +2,7 @@
 
     python -m tests.measure_input_memory session|conversation FILE...
 
-Loads the embedded model, then for each file resets the kernel's peak-RSS mark, reads
+Loads the embedded model (weights paged in), then for each file resets the kernel's peak-RSS mark, reads
 the file as the app does and prints one JSON line per file: its size, the peak RSS
 growth over the RSS before (both in bytes) and the error's type and field, if refused.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from h2o_chat import make_cache
 from h2o_chat.inputs import InputError
 from h2o_chat.loading import load_model
-from h2o_chat.snapshot import load_session
+from h2o_chat.snapshot import load_session, model_identity
 from h2o_chat.transcript import read_conversation
 
 
@@ -28,6 +28,9 @@ def _status_bytes(key: str) -> int:
 
 def main(kind: str, paths: list[str]) -> None:
     model, tokenizer = load_model()
+    # A serving process has its weights paged in (by its first turn); the fingerprint
+    # that every resume computes first touches them all.
+    model_identity(model)
     for path in paths:
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # the peak mark (VmHWM) := now

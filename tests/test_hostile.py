@@ -299,8 +299,12 @@ IMPORT_CASES = [
      r"unknown conversation file version <a 5,000-digit number>"),
     ("lone surrogate", conversation([{"role": "user", "content": "ok\ud800"}]), "messages[0].content",
      r"messages\[0\].content contains an unpaired surrogate \(U\+D800\) at character 2"),
-    ("158,869 one-character messages", conversation([{"role": "user", "content": "x"}] * 158_869), "messages",
-     r"messages holds 158,869 messages; the limit is 10,000 \(server.max_conversation_messages\)"),
+    ("158,869 one-character messages", conversation([{"role": "user", "content": "x"}] * 158_869),
+     "conversation file", r"conversation file holds 476,6\d\d JSON values besides strings; the limit is 164,096"),
+    ("10,001 messages", conversation([{"role": "user", "content": "x"}] * 10_001), "messages",
+     r"messages holds 10,001 messages; the limit is 10,000 \(server.max_conversation_messages\)"),
+    ("a million empty lists", conversation(pad=[[]] * 1_000_000), "conversation file",
+     r"holds 2,000,00\d JSON values besides strings; the limit is 164,096"),
     ("300,000-character message", conversation([{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "x" * 300_000}]),
      "messages[1].content", r"messages\[1\].content is 300,000 characters long; the limit is 100,000"),
@@ -464,7 +468,7 @@ def assert_consistent_after_stop(session):
 
 # ---- memory: refusing a file costs at most a constant plus 3x its size -------------------
 
-CONSTANT_MB = 24
+CONSTANT_MB = 16
 
 
 def test_refusing_hostile_files_keeps_memory_within_3x_their_size(files, tmp_path):

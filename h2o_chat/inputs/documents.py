@@ -9,12 +9,14 @@ naming the document, before anything large is allocated.
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from typing import Any
 
 from .limits import InputError
 
 MAX_DEPTH = 32  # our documents nest 5 levels at most
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 class _HugeNumber:
@@ -37,11 +39,23 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def read_json(data: bytes | str, what: str, max_bytes: int) -> Any:
-    """The JSON document ``data`` (at most ``max_bytes`` long, nested at most
-    ``MAX_DEPTH`` deep); InputError naming ``what`` otherwise."""
+def read_json(data: bytes | str, what: str, max_bytes: int, max_values: int) -> Any:
+    """The JSON document ``data`` (at most ``max_bytes`` long, ``max_values`` values
+    besides strings, nested at most ``MAX_DEPTH`` deep); InputError naming ``what``
+    otherwise.
+
+    Parsed objects can take many times their text (``[],`` is 3 bytes, an empty list 56),
+    so the values are counted on the text first: outside strings, every value but the
+    last of a container is followed by a comma.
+    """
     if len(data) > max_bytes:
         raise InputError(f"{what} is {len(data):,} bytes; the limit is {max_bytes:,}", what)
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if (values := _separators(raw)) > max_values:  # an upper bound: strings hold some
+        values -= sum(_separators(string.group()) for string in _STRING.finditer(raw))
+        if values > max_values:
+            raise InputError(f"{what} holds {values:,} JSON values besides strings; the limit is "
+                             f"{max_values:,}", what)
     try:
         document = json.loads(data, parse_int=_integer, parse_constant=_no_constant)
     except RecursionError:
@@ -50,6 +64,10 @@ def read_json(data: bytes | str, what: str, max_bytes: int) -> Any:
         raise InputError(f"{what}: invalid JSON ({err})", what) from None
     _check_depth(document, what)
     return document
+
+
+def _separators(text: bytes) -> int:
+    return text.count(b",") + text.count(b"[") + text.count(b"{")
 
 
 def _check_depth(document: Any, what: str) -> None:

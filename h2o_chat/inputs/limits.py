@@ -67,3 +67,10 @@ class InputLimits:
         messages and the rendered template), each character at most 6 bytes of JSON
         (``\\u001b``), plus per message a template and its JSON keys."""
         return 2**20 + 12 * self.conversation_chars + 512 * self.conversation_messages
+
+    @property
+    def document_values(self) -> int:
+        """The most JSON values besides strings such a document holds: a few per message
+        (its object, role, content, a pinned span), a few thousand for the rest (a
+        manifest's counters, per model layer)."""
+        return 16 * self.conversation_messages + 4096
