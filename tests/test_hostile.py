@@ -259,6 +259,7 @@ FILE_CASES = [
          r"history holds 1,\d{3},\d{3} characters; the limit is 1,000,000 \(server.max_conversation_chars\)",
          manifest=_messages(*[{"role": "user", "content": "x" * 99_999}] * 11)),
     # Not a session file of ours.
+    case("model entry not an object", M + "model", "lacks the model's fingerprint", manifest=_set(["model"], [1])),
     FileCase("an extra member", lambda files, folder: zipped(folder, "extra", members(files.chat) | {"run.py": b"1"}),
              "session file", r"not a session file: it holds \['cache.safetensors', 'manifest.json', 'run.py'"),
     FileCase("a version 1 file", lambda files, folder: zipped(
