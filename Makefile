@@ -39,7 +39,7 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 screenshots: $(STAMP) browser
-	$(PY) -m tests.screenshots
+	$(PY) -m tools.screenshots
 
 clean:
 	rm -rf $(VENV)

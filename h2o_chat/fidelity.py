@@ -18,9 +18,17 @@ import torch
 
 from .cache import H2OCache, make_cache
 from .session import Session
-from .ui.gauges import first_divergence
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter one's length if
+    one is a prefix of the other); None when they are equal."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def converted_copy_path(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
 
 
-def _convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTrainedModel:
+def convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTrainedModel:
     """Dequantize ``gguf`` into a safetensors copy at ``target``; return the GGUF-loaded model."""
     print(f"Converting GGUF {gguf} once; later starts reuse {target}", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,7 @@ def load_model(
     if gguf is not None:
         source = str(converted_copy_path(gguf))
         if not Path(source).is_dir():
-            _convert_gguf(gguf, Path(source), trust)  # dropped, so freed before the copy loads
+            convert_gguf(gguf, Path(source), trust)  # dropped, so freed before the copy loads
     elif Path(config.source).expanduser().exists():
         source = str(Path(config.source).expanduser())
     elif _looks_like_hub_id(config.source):

@@ -23,6 +23,7 @@ from .cache import CacheStats, H2OCache, make_cache
 from .config import CacheConfig, GenerationConfig, check_field
 from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
                      check_system_prompt)
+from .pin_text import decode, find_span, shorten
 
 _model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
@@ -145,6 +146,11 @@ class Session:
             prefill_seconds=self._prefill_seconds,
         )
 
+    def restore(self, tokens: list[int], fed: int) -> None:
+        """Take a saved conversation's exact tokens, of which the cache (restored by the
+        caller) has seen ``tokens[:fed]``."""
+        self.tokens, self.fed = tokens, fed
+
     # ---- pinned memory --------------------------------------------------------------------
 
     def pins(self) -> list[Pin]:
@@ -154,7 +160,7 @@ class Session:
         for span in dict.fromkeys(self.cache.spans.ranges):  # unique, in order
             pin_id = self._pin_ids.setdefault(span, len(self._pin_ids) + 1)
             start, end = span
-            pins.append(Pin(pin_id, start, end, self._decode(self.tokens[start:end]),
+            pins.append(Pin(pin_id, start, end, self.decode(self.tokens[start:end]),
                             self._fixed_pins.get(span)))
         return pins
 
@@ -168,9 +174,9 @@ class Session:
         more when ``text`` starts or ends inside a token). Refused, changing nothing, when
         the cache already evicted any of those tokens from some layer or KV head.
         """
-        with self._idle("pin"):
-            start, end = self._find(text, near)
-            shown = _short(self._decode(self.tokens[start:end]))
+        with self.between_turns("pin"):
+            start, end = find_span(self.tokenizer, self.tokens, text, near)
+            shown = shorten(self.decode(self.tokens[start:end]))
             if (start, end) in self.cache.spans.ranges:
                 raise ValueError(f"{shown!r} (tokens {start}..{end - 1}) is already pinned")
             lost = self.cache.evicted(start, end)
@@ -185,7 +191,7 @@ class Session:
     def unpin(self, pin_id: int) -> Pin:
         """Let the cache evict the pin's tokens again (they compete on the scores they
         accumulated, so some may go at once). The system prompt and bible stay pinned."""
-        with self._idle("unpin"):
+        with self.between_turns("unpin"):
             pin = next((p for p in self.pins() if p.id == pin_id), None)
             if pin is None:
                 raise ValueError(f"there is no pin {pin_id}; pins: "
@@ -196,8 +202,10 @@ class Session:
             return pin
 
     @contextmanager
-    def _idle(self, action: str) -> Iterator[None]:
-        """Hold the turn lock: pins change the cache, which a running turn is using."""
+    def between_turns(self, action: str) -> Iterator[None]:
+        """Hold the session still between turns, for whatever changes or reads its cache
+        and history as a whole (pins, saving); RuntimeError naming ``action`` while a turn
+        is running."""
         if not self._turn_lock.acquire(blocking=False):
             raise RuntimeError(f"cannot {action} while a reply is being generated: stop it first")
         try:
@@ -205,58 +213,15 @@ class Session:
         finally:
             self._turn_lock.release()
 
-    def _find(self, text: str, near: int | None) -> tuple[int, int]:
-        """The token span ``[start, end)`` of ``text`` in the conversation (see ``pin``)."""
-        needle = "".join(str(text).split())
-        if not needle:
-            raise ValueError("nothing to pin: the text is empty")
-        firsts, pieces = self._token_pieces()
-        chars, owner = [], []  # the conversation's non-space characters, and their piece
-        for index, piece in enumerate(pieces):
-            for char in piece:
-                if not char.isspace():
-                    chars.append(char)
-                    owner.append(index)
-        haystack = "".join(chars)
-        found, at = [], haystack.find(needle)
-        while at >= 0:
-            found.append(at)
-            at = haystack.find(needle, at + 1)
-        if not found:
-            raise ValueError(f"{_short(text)!r} does not occur in the conversation "
-                             "(whitespace is ignored; case and punctuation must match)")
-        spans = [(firsts[owner[at]], firsts[owner[at + len(needle) - 1] + 1]) for at in found]
-        if near is None:
-            return spans[-1]
-        return min(reversed(spans), key=lambda span: abs(span[0] - near))
-
-    def _token_pieces(self) -> tuple[list[int], list[str]]:
-        """The conversation's text cut at the token boundaries a pin can start or end at:
-        ``firsts[i]`` is the first token of ``pieces[i]``, plus a final entry, the token
-        count. A character whose bytes are split over tokens stays whole in one piece."""
-        singles = self.tokenizer.batch_decode([[t] for t in self.tokens], skip_special_tokens=False,
-                                              clean_up_tokenization_spaces=False)
-        firsts, pieces, group = [], [], 0
-        for index, piece in enumerate(singles):
-            group += 1
-            if group > 1 or piece.endswith("\ufffd"):
-                piece = self._decode(self.tokens[index + 1 - group : index + 1])
-                # UTF-8 needs at most 4 bytes: a longer run is not a split character.
-                if piece.endswith("\ufffd") and group < 4 and index + 1 < len(singles):
-                    continue
-            firsts.append(index + 1 - group)
-            pieces.append(piece)
-            group = 0
-        return firsts + [len(self.tokens)], pieces
-
     # ---- the decode loop ------------------------------------------------------------------
 
     def _encode(self, text: str, plain: bool = False) -> list[int]:
         """Token ids of ``text``; ``plain`` reads special-token strings as ordinary text."""
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode(self, ids: Sequence[int]) -> str:
+        """The exact text of token ids of this conversation (special tokens included)."""
+        return decode(self.tokenizer, ids)
 
     def _feed_unfed(self) -> torch.Tensor | None:
         """Feed every token the cache has not seen, in chunks; logits of the last one, or
@@ -345,7 +310,7 @@ class Session:
             self._decode_tokens_per_s = step / max(time.perf_counter() - decode_started, 1e-9)
             if token in self.eos_ids:
                 break
-            text = self._decode(generated)
+            text = self.decode(generated)
             # A multi-byte character may span tokens: wait until it is complete.
             if not text.endswith("\ufffd") and len(text) > len(emitted):
                 yield text[len(emitted) :]
@@ -380,20 +345,31 @@ class ChatSession(Session):
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         system_prompt, history = check_conversation(system_prompt, history, self.limits)
         self.messages: list[dict[str, str]] = []
-        self._text = ""  # the template text of self.tokens
+        self._template_text = ""  # the template text of self.tokens
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
-            self._text = tokenizer.apply_chat_template(self.messages, tokenize=False)
-            self.tokens = self._encode(self._text)
+            self._template_text = tokenizer.apply_chat_template(self.messages, tokenize=False)
+            self.tokens = self._encode(self._template_text)
             if protect_system_prompt:
                 self.cache.protect(0, len(self.tokens))
                 self._fixed_pins[(0, len(self.tokens))] = "system prompt"
         if history:
             # Encoded apart from the system prompt, as turns are, so the protected span
             # covers exactly the system prompt's tokens.
-            self._text, new_tokens, _ = self._render_new(self.messages + history, False)
+            self._template_text, new_tokens, _ = self._render_new(self.messages + history, False)
             self.tokens += new_tokens
             self.messages += history
+
+    @property
+    def template_text(self) -> str:
+        """The chat template's rendering of what ``tokens`` hold."""
+        return self._template_text
+
+    def restore(self, tokens: list[int], fed: int, template_text: str) -> None:
+        """``Session.restore`` plus the chat template's text of ``tokens``."""
+        with self.between_turns("restore"):
+            super().restore(tokens, fed)
+            self._template_text = template_text
 
     def send(self, text: str, pin: bool = False, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
@@ -406,16 +382,16 @@ class ChatSession(Session):
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
             rendered, new_tokens, contents = self._render_new(messages, True)
-            before = (self.messages, self._text)
+            before = (self.messages, self._template_text)
             self.messages = messages + [{"role": "assistant", "content": ""}]
-            self._text = rendered
+            self._template_text = rendered
             try:
                 yield from self._generate(new_tokens, sampling, contents[-1] if pin else None)
             except BaseException:
                 if not self.reply:
                     # Failed before the first token and _generate took the tokens back:
                     # the turn never happened.
-                    self.messages, self._text = before
+                    self.messages, self._template_text = before
                     raise
                 self._record_reply(rendered)
                 raise
@@ -424,9 +400,9 @@ class ChatSession(Session):
     def _record_reply(self, rendered: str) -> None:
         """Put the reply, whole or partial (stopped, failed, abandoned), into the history."""
         reply = self.reply
-        self._text = rendered + self._decode(reply)
+        self._template_text = rendered + self.decode(reply)
         ending = 1 if reply and reply[-1] in self.eos_ids else 0
-        self.messages[-1]["content"] = self._decode(reply[: len(reply) - ending])
+        self.messages[-1]["content"] = self.decode(reply[: len(reply) - ending])
 
     def _render_new(self, messages: list[dict[str, str]],
                     add_generation_prompt: bool) -> tuple[str, list[int], list[tuple[int, int]]]:
@@ -446,13 +422,13 @@ class ChatSession(Session):
             )
 
         rendered = render(messages)
-        if not rendered.startswith(self._text):
+        if not rendered.startswith(self._template_text):
             raise RuntimeError("the chat template re-rendered earlier turns differently; cannot append")
         old = len(self.messages)
         contents = {f"\ue000{i}\ue001": m["content"] for i, m in enumerate(messages[old:])}
         marked = render(messages[:old] + [dict(m, content=mark) for m, mark in zip(messages[old:], contents)])
-        pieces = _MARKER.split(marked[len(self._text) :])
-        if "".join(contents.get(p, p) for p in pieces) != rendered[len(self._text) :]:
+        pieces = _MARKER.split(marked[len(self._template_text) :])
+        if "".join(contents.get(p, p) for p in pieces) != rendered[len(self._template_text) :]:
             raise RuntimeError("the chat template changes message contents (e.g. trims them); "
                                "cannot tell contents from control tokens")
         tokens, spans = [], []
@@ -466,9 +442,6 @@ class ChatSession(Session):
         return rendered, tokens, spans
 
 
-def _short(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # Private-use characters around an index: markers no real message is expected to contain.
@@ -505,12 +478,12 @@ class StorySession(Session):
 
     @property
     def text(self) -> str:
-        return self._decode(self.tokens[self.bible_tokens :])
+        return self.decode(self.tokens[self.bible_tokens :])
 
     def send(self, text: str = "", pin: bool = False, **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation;
         ``pin`` pins ``text``'s tokens."""
-        check_story_turn(text, len(self._decode(self.tokens)), self.limits)
+        check_story_turn(text, len(self.decode(self.tokens)), self.limits)
         if not self.tokens and not text:
             raise InputError("the story is empty: write a beginning to continue from", "the new story text")
         if pin and not text:

@@ -81,29 +81,32 @@ def model_identity(model) -> dict[str, str]:
     return {"name": Path(name).name if name else model.config.model_type, "fingerprint": digest.hexdigest()}
 
 
+def _manifest(session: Session) -> tuple[dict[str, Any], bytes]:
+    """The manifest and tensor payload that describe ``session`` now."""
+    tensors, cache_state = session.cache.state()
+    payload = save_tensors(tensors | {"tokens": torch.tensor(session.tokens, dtype=torch.int32)})
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_identity(session.model),
+        "cache": cache_state,
+        "fed": session.fed,
+    }
+    if isinstance(session, ChatSession):
+        return manifest | {"kind": "chat", "messages": [dict(m) for m in session.messages],
+                           "template_text": session.template_text}, payload
+    if isinstance(session, StorySession):
+        return manifest | {"kind": "story", "bible_tokens": session.bible_tokens}, payload
+    raise TypeError(f"cannot save a {type(session).__name__}")
+
+
 def save_session(session: Session, path: str | Path) -> Path:
     """Write ``session`` with its cache to ``path``; refused while a turn is running."""
-    if not session._turn_lock.acquire(blocking=False):
-        raise SnapshotError("a reply is still being generated: stop it or wait, then save")
     try:
-        tensors, cache_state = session.cache.state()
-        payload = save_tensors(tensors | {"tokens": torch.tensor(session.tokens, dtype=torch.int32)})
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": model_identity(session.model),
-            "cache": cache_state,
-            "fed": session.fed,
-        }
-        if isinstance(session, ChatSession):
-            manifest |= {"kind": "chat", "messages": [dict(m) for m in session.messages],
-                         "template_text": session._text}
-        elif isinstance(session, StorySession):
-            manifest |= {"kind": "story", "bible_tokens": session.bible_tokens}
-        else:
-            raise TypeError(f"cannot save a {type(session).__name__}")
-    finally:
-        session._turn_lock.release()
+        with session.between_turns("save"):
+            manifest, payload = _manifest(session)
+    except RuntimeError as err:  # a turn is running
+        raise SnapshotError(f"{err}, or wait, then save") from None
     return write_session_file(path, json.dumps(manifest, ensure_ascii=False).encode(), payload)
 
 
@@ -209,7 +212,10 @@ def load_session(
         cache.reset()  # fresh again: the session may have protected its prompt already
         cache.spans.ranges.clear()
         raise
-    session.tokens, session.fed = tokens, fed
+    if isinstance(session, ChatSession):
+        session.restore(tokens, fed, manifest["template_text"])
+    else:
+        session.restore(tokens, fed)
     return session
 
 
@@ -245,7 +251,6 @@ def _new_session(manifest: Mapping[str, Any], model, tokenizer, cache: H2OCache,
         except InputError as err:
             raise SnapshotError(f"{MANIFEST}: chat session: {err}", f"{MANIFEST}: messages") from None
         check_template_text(text, session.messages, tokenizer)
-        session._text = text
         return session
     if kind == "story":
         bible = require_int(manifest.get("bible_tokens"), f"{MANIFEST}: bible_tokens", 0, len(tokens),

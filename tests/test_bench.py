@@ -217,7 +217,7 @@ def test_recall_probe_scores_the_answer_like_one_plain_forward_pass(smollm):
     rendered = tokenizer.apply_chat_template(session.messages + [{"role": "user", "content": PROBES["name"]}],
                                              tokenize=False, add_generation_prompt=True)
     prompt = session.tokens[:session.fed] + session.tokens[session.fed:] + tokenizer(
-        rendered[len(session._text):], add_special_tokens=False).input_ids
+        rendered[len(session.template_text):], add_special_tokens=False).input_ids
     target = tokenizer(ANSWERS["name"], add_special_tokens=False).input_ids
     with torch.no_grad():
         logits = model(torch.tensor([prompt + target[:-1]])).logits[0, len(prompt) - 1:]

@@ -116,14 +116,14 @@ def test_compare_view_gauge(smollm):
 
     # Selecting a range on the plot shows its largest-KL step.
     first, second = probe.points[-2:]
-    picked = panel._on_select(view.state, gr.SelectData(None, {"index": [first.position, second.position],
+    picked = panel.on_select(view.state, gr.SelectData(None, {"index": [first.position, second.position],
                                                                  "value": None}))
     expected = max(first, second, key=lambda p: p.kl)
     assert picked[panel.step] == expected.position
     assert f'data-step="{expected.position}"' in picked[panel.detail]
-    typed = panel._on_step(view.state, first.position)
+    typed = panel.on_step(view.state, first.position)
     assert typed[panel.step] == first.position and f'data-step="{first.position}"' in typed[panel.detail]
-    assert "no prediction recorded at token 1" in panel._on_step(view.state, 1)[panel.detail]
+    assert "no prediction recorded at token 1" in panel.on_step(view.state, 1)[panel.detail]
 
     # Turned off, the next message runs without the shadow.
     view.set(fidelity=False)

@@ -24,7 +24,7 @@ def loads(tmp_path_factory):
     """
     cache = tmp_path_factory.mktemp("h2o-chat-cache")
     converted = []
-    real_convert = loading._convert_gguf
+    real_convert = loading.convert_gguf
 
     def spy(*args, **kwargs):
         converted.append(real_convert(*args, **kwargs))
@@ -32,7 +32,7 @@ def loads(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("H2O_CHAT_CACHE", str(cache))
-        mp.setattr(loading, "_convert_gguf", spy)
+        mp.setattr(loading, "convert_gguf", spy)
         start = time.perf_counter()
         first = loading.load_model()
         first_s = time.perf_counter() - start

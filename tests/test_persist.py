@@ -113,7 +113,7 @@ def test_chat_resumes_with_identical_logits_and_evictions(smollm, tmp_path):
     path = save_session(chat, tmp_path / "chat.h2o-session.zip")
     resumed = load_session(path, model, tokenizer, small_cache(model), kind="chat")
     assert isinstance(resumed, ChatSession)
-    assert resumed.messages == chat.messages and resumed._text == chat._text
+    assert resumed.messages == chat.messages and resumed.template_text == chat.template_text
     # The system prompt stays a fixed pin, the pinned message a pin of the user's.
     assert resumed.pins() == chat.pins() and [p.fixed for p in chat.pins()] == ["system prompt", None]
     assert_continues_identically(model, chat, resumed)
@@ -316,7 +316,7 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
                                               {"role": "assistant", "content": "Hello!"}])
     upload = tmp_path / "conversation.json"
     upload.write_text(conversation.to_json())
-    update = files._on_import(inputs(settings, chat, None) | {files.import_json: str(upload)})
+    update = files.on_import(inputs(settings, chat, None) | {files.import_json: str(upload)})
     state = update[chat.state]
     assert update[chat.chatbot] == conversation.messages and update[chat.system_prompt] == "Be brief."
     assert state.session.fed == 0 and "Imported 2 messages" in update[files.status]
@@ -324,13 +324,13 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
         "".join(state.session.send("Name a colour.", temperature=0, max_new_tokens=24))
 
     values = inputs(settings, chat, state)
-    exported = files._on_export_json(values)[files.download]
+    exported = files.on_export_json(values)[files.download]
     assert read_conversation(open(exported, "rb").read()) == Conversation.of(state.session)
-    assert open(files._on_export_markdown(values)[files.download]).read().startswith("# Conversation")
+    assert open(files.on_export_markdown(values)[files.download]).read().startswith("# Conversation")
 
-    saved = files._on_save(values)
+    saved = files.on_save(values)
     assert saved[files.download].endswith(".h2o-session.zip") and "Saved" in saved[files.status]
-    resumed = files._on_resume(values | {files.resume: saved[files.download]})
+    resumed = files.on_resume(values | {files.resume: saved[files.download]})
     new = resumed[chat.state]
     assert new is not state and state.closed and not new.closed
     assert new.session.tokens == state.session.tokens and new.session.fed == state.session.fed
@@ -352,7 +352,7 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     with state.running():
         "".join(state.session.send("Hi", temperature=0, max_new_tokens=4))
     values = inputs(settings, chat, state)
-    path = files._on_save(values)[files.download]
+    path = files.on_save(values)[files.download]
 
     def refused_with(update, message):
         assert chat.state not in update and chat.chatbot not in update  # nothing replaced
@@ -360,34 +360,34 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
         assert not state.closed
 
     with pytest.warns(UserWarning, match="cache.heavy"):
-        refused_with(files._on_resume(inputs(settings, chat, state, heavy=32) | {files.resume: path}),
+        refused_with(files.on_resume(inputs(settings, chat, state, heavy=32) | {files.resume: path}),
                      "cache.heavy = 16 in the file, 32 in this cache")
     truncated = tmp_path / "truncated.zip"
     truncated.write_bytes(open(path, "rb").read()[:1000])
     with pytest.warns(UserWarning):
-        refused_with(files._on_resume(values | {files.resume: str(truncated)}), "truncated")
+        refused_with(files.on_resume(values | {files.resume: str(truncated)}), "truncated")
     with pytest.warns(UserWarning):
-        refused_with(files._on_resume(values | {files.resume: None}), "no file was uploaded")
+        refused_with(files.on_resume(values | {files.resume: None}), "no file was uploaded")
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "h2o-chat/conversation", "version": 7, "messages": []}')
     with pytest.warns(UserWarning):
-        refused_with(files._on_import(values | {files.import_json: str(bad)}),
+        refused_with(files.on_import(values | {files.import_json: str(bad)}),
                      "unknown conversation file version 7")
     # A story file does not resume in the chat view, nor a chat file in the story view.
     story_state = inputs(settings, story, None)
     with pytest.warns(UserWarning, match="chat session file, not a story session"):
-        update = story.files._on_resume(story_state | {story.files.resume: path})
+        update = story.files.on_resume(story_state | {story.files.resume: path})
     assert story.state not in update
     monkeypatch.setattr(files.tab, "server", dataclasses.replace(files.tab.server, max_request_mb=1))
     big = tmp_path / "big.h2o-session.zip"
     big.write_bytes(Path(path).read_bytes() + bytes(2**20))
     with pytest.warns(UserWarning):
-        refused_with(files._on_resume(values | {files.resume: str(big)}),
+        refused_with(files.on_resume(values | {files.resume: str(big)}),
                      "over the upload limit of 1,048,576 bytes")
     # While a reply streams, saving waits for Stop.
     with state.running():
         with pytest.raises(Exception, match="still streaming"):
-            files._on_save(values)
+            files.on_save(values)
 
 
 def test_story_panel_saves_and_resumes(views):
@@ -399,8 +399,8 @@ def test_story_panel_saves_and_resumes(views):
                        "Mira keeps the lighthouse.")
     "".join(state.session.send("The storm came.", temperature=0, max_new_tokens=30))
     values = inputs(settings, story, state)
-    path = files._on_save(values)[files.download]
-    update = files._on_resume(values | {files.resume: path})
+    path = files.on_save(values)[files.download]
+    update = files.on_resume(values | {files.resume: path})
     new = update[story.state]
     assert update[story.bible] == "Mira keeps the lighthouse." and update[story.story] == state.session.text
     assert new.continues(update[story.bible], update[story.story] + " More.")  # no re-read needed

@@ -8,6 +8,7 @@ import torch
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import load_config
+from h2o_chat.pin_text import decode, find_span, token_pieces
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
 from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
 from h2o_chat.ui.provider import ModelProvider
@@ -176,6 +177,22 @@ def test_matching_ignores_whitespace_and_keeps_characters_whole(smollm):
     assert session.cache.stats().held == 20 + pinned
 
 
+def test_text_spans_are_found_with_a_tokenizer_alone(smollm):
+    _, tokenizer = smollm
+    text = "Café naïve 🙂 and   spaced\n\nwords. Café!"
+    tokens = tokenizer(text, add_special_tokens=False).input_ids
+    firsts, pieces = token_pieces(tokenizer, tokens)
+    assert "".join(pieces) == decode(tokenizer, tokens) and firsts[0] == 0 and firsts[-1] == len(tokens)
+    assert all("\ufffd" not in piece for piece in pieces)  # the emoji's bytes stay in one piece
+    last, first = find_span(tokenizer, tokens, "Café"), find_span(tokenizer, tokens, "Café", near=0)
+    assert first[0] == 0 and last[0] > first[0]
+    assert decode(tokenizer, tokens[slice(*last)]).strip() == "Café"
+    assert "🙂" in decode(tokenizer, tokens[slice(*find_span(tokenizer, tokens, "🙂"))])
+    assert decode(tokenizer, tokens[slice(*find_span(tokenizer, tokens, "spaced words"))]).split() == ["spaced", "words"]
+    with pytest.raises(ValueError, match="'Quentaro' does not occur in the conversation"):
+        find_span(tokenizer, tokens, "Quentaro")
+
+
 def test_story_bible_stays_pinned_and_new_text_can_be_pinned(smollm, recwarn):
     model, tokenizer = smollm
     story = StorySession(model, tokenizer, cache=h2o(model, 8, 8), bible="Mira keeps the lighthouse.")
@@ -245,11 +262,11 @@ def values_of(tab, state, changes=None):
 
 def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
     tab = chat_tab
-    assert tab.pins._on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
+    assert tab.pins.on_pin(values_of(tab, None, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "send a message first" in str(recwarn.pop(UserWarning).message)
 
     # Send with "pin this message" ticked: the box unticks, the panel lists the pin.
-    updates = list(tab._on_send(values_of(tab, None, {tab.text: FACT, tab.pin_message: True})))
+    updates = list(tab.on_send(values_of(tab, None, {tab.text: FACT, tab.pin_message: True})))
     state = updates[0][tab.state]
     assert updates[0][tab.pin_message] is False
     listed = updates[-1][tab.pins.list]
@@ -259,12 +276,12 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # A bad pin: a warning, nothing changes.
     spans = list(state.session.cache.spans.ranges)
-    assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == tab.pins.unchanged
+    assert tab.pins.on_pin(values_of(tab, state, {tab.pins.text: "not in the chat"})) == tab.pins.unchanged
     assert "does not occur" in str(recwarn.pop(UserWarning).message)
     assert state.session.cache.spans.ranges == spans
 
     reply = state.session.messages[-1]["content"]
-    update = tab.pins._on_pin(values_of(tab, state, {tab.pins.text: reply}))
+    update = tab.pins.on_pin(values_of(tab, state, {tab.pins.text: reply}))
     assert update[tab.pins.text] == "" and 'data-count="3"' in update[tab.pins.list]
     assert tab.gauge in update  # the gauge shows the new pinned count
     choices = [value for _, value in update[tab.pins.choice].choices]
@@ -272,12 +289,12 @@ def test_pin_panel_pins_lists_and_unpins(chat_tab, recwarn):
 
     # While a reply streams, the panel refuses (a warning) instead of touching the cache.
     with state.running():
-        assert tab.pins._on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
+        assert tab.pins.on_pin(values_of(tab, state, {tab.pins.text: "Marisol"})) == tab.pins.unchanged
     assert "still streaming" in str(recwarn.pop(UserWarning).message)
 
-    assert tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: None})) == tab.pins.unchanged
+    assert tab.pins.on_unpin(values_of(tab, state, {tab.pins.choice: None})) == tab.pins.unchanged
     assert "Choose a pin" in str(recwarn.pop(UserWarning).message)
-    update = tab.pins._on_unpin(values_of(tab, state, {tab.pins.choice: choices[-1]}))
+    update = tab.pins.on_unpin(values_of(tab, state, {tab.pins.choice: choices[-1]}))
     assert 'data-count="2"' in update[tab.pins.list]
     stats = state.session.cache.stats()
     assert f'data-pinned="{stats.pinned}"' in update[tab.pins.list]

@@ -1,11 +1,11 @@
 """Gauge data, per-turn series, divergence and stream pacing: plain functions of stats."""
 
 import re
-import time
 from dataclasses import replace
 
 from h2o_chat import ChatSession, make_cache
-from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, first_divergence, gauge_html
+from h2o_chat.fidelity import first_divergence
+from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, gauge_html
 from h2o_chat.ui.streaming import Interleaved, Throttle, stream_turn
 
 
@@ -74,42 +74,59 @@ def test_first_divergence_and_decode_rate():
     assert decode_rate(1, 3.0, 1.0) == 0.0
 
 
+class Clock:
+    """Time that moves only when a test says so, so pacing is checked exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_throttle_lets_one_update_through_per_interval():
-    throttle = Throttle(0.05)
+    clock = Clock()
+    throttle = Throttle(0.5, clock)
     assert throttle.due() and not throttle.due()
-    time.sleep(0.06)
-    assert throttle.due()
+    clock.now += 0.25
+    assert not throttle.due()
+    clock.now += 0.25
+    assert throttle.due() and not throttle.due()
 
 
 def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update():
-    def slow(chunks):
+    clock = Clock()
+
+    def timed(chunks):
         for chunk in chunks:
-            time.sleep(0.02)
+            clock.now += 0.25
             yield chunk
 
     updates = list(stream_turn(
-        slow(["a", "b", "c", "d", "e"]),
+        timed(["a", "b", "c", "d", "e"]),
         show=lambda text: {"text": text},
         views=lambda final: {"views": "final" if final else "live"},
         final=lambda: {"text": "done"},
         closed=lambda: False,
+        throttle=Throttle(0.5, clock),
     ))
     assert [u["text"] for u in updates] == ["a", "ab", "abc", "abcd", "abcde", "done"]
-    assert updates[0]["views"] == "live"  # the first chunk always updates the views
-    assert sum("views" in u for u in updates[1:-1]) == 0  # 0.3 s not elapsed since
-    assert updates[-1]["views"] == "final"
+    # Views go out with the first chunk, then each time 0.5 s have passed since the last.
+    assert [u.get("views") for u in updates] == ["live", None, "live", None, "live", "final"]
     assert list(stream_turn(iter(["a"]), lambda t: {}, lambda f: {}, lambda: {}, lambda: True)) == []
 
 
 def test_interleaved_streams_alternate_and_time_each_side():
-    def stream(name, n, delay):
+    clock = Clock()
+
+    def stream(name, n, cost):
         for i in range(n):
-            time.sleep(delay)
+            clock.now += cost
             yield f"{name}{i}"
 
-    steps = Interleaved({"a": stream("a", 3, 0.01), "b": stream("b", 2, 0.03)})
+    steps = Interleaved({"a": stream("a", 3, 0.25), "b": stream("b", 2, 1.0)}, clock)
     assert [chunk for _, chunk in steps] == ["a0", "b0", "a1", "b1", "a2"]
-    assert 0.02 < steps.busy["a"] < steps.busy["b"]
+    assert steps.busy == {"a": 0.75, "b": 2.0}
 
 
 def test_interleaved_closes_the_streams_it_abandons():

@@ -1,5 +1,7 @@
 """The views' per-browser state, without a server: rebuilding chats, continuing stories."""
 
+import gc
+
 import pytest
 
 from h2o_chat.config import CacheConfig
@@ -7,6 +9,7 @@ from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
 from h2o_chat.ui.provider import ModelProvider
 from h2o_chat.ui.story_tab import StoryState, bible_prefix
+from h2o_chat.ui.view_state import server_load
 
 SMALL = CacheConfig(heavy=8, recent=8, sink=4)
 
@@ -55,5 +58,18 @@ def test_compare_sides_share_nothing_but_the_model(loaded):
     assert bounded.cache is not full.cache and state.map_session() is bounded
     assert state.labels == {BOUNDED: "h2o cache (20 slots)", FULL: "full cache"}
     assert CompareState(loaded, CacheConfig(policy="full"), "").labels[BOUNDED] != "full cache"
-    state.close()
-    assert state.closed
+
+
+def test_closing_a_view_stops_both_sides_and_leaves_the_server_count(loaded):
+    state = CompareState(loaded, SMALL, "Be brief.")
+    gc.collect()  # states of earlier tests, dropped unclosed, leave the count now
+    views_open = server_load()[0]
+    sides = [state.sides[BOUNDED], state.sides[FULL]]
+    streams = [side.send("Count from one to fifty.", temperature=0, max_new_tokens=64) for side in sides]
+    for stream in streams:
+        next(stream)
+    state.close()  # what Gradio does when the tab goes away
+    for stream in streams:
+        list(stream)
+    assert [len(side.reply) < 8 for side in sides] == [True, True]
+    assert server_load()[0] == views_open - 1

@@ -51,8 +51,8 @@ def probe(session: ChatSession, question: str, answer: str, max_new_tokens: int 
     cache = copy.deepcopy(session.cache)
     rendered = tok.apply_chat_template(session.messages + [{"role": "user", "content": question}],
                                        tokenize=False, add_generation_prompt=True)
-    assert rendered.startswith(session._text)
-    new = session.tokens[session.fed:] + tok(rendered[len(session._text):], add_special_tokens=False).input_ids
+    assert rendered.startswith(session.template_text)
+    new = session.tokens[session.fed:] + tok(rendered[len(session.template_text):], add_special_tokens=False).input_ids
     out = []
     with torch.inference_mode():
         ids = torch.tensor([new])

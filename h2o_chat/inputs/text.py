@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from ..pin_text import shorten
 from .limits import InputError, InputLimits
 
 # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
@@ -86,8 +87,8 @@ def check_story_turn(text: object, story_chars: int, limits: InputLimits) -> str
     return text
 
 
-def _short(value: object, limit: int = 60) -> str:
-    """``value``'s repr cut to ``limit`` characters, for a message about a huge input."""
-    shown = repr(value) if not isinstance(value, (list, tuple, dict)) or len(value) < 8 else (
-        f"<{type(value).__name__} of {len(value):,} items>")
-    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+def _short(value: object) -> str:
+    """``value``'s repr, short enough for a message about a huge input."""
+    if isinstance(value, (list, tuple, dict)) and len(value) >= 8:
+        return f"<{type(value).__name__} of {len(value):,} items>"
+    return shorten(repr(value))

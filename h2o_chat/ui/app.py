@@ -81,7 +81,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
 def return_freed_memory() -> None:
     """Hand freed heap pages back to the system. glibc keeps what freed tensors occupied
     in its per-thread arenas, so without this the server's memory only grows as tabs
-    come and go (measured: tests/measure_sessions_memory.py)."""
+    come and go (measured: tools/measure_sessions_memory.py)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

@@ -112,13 +112,13 @@ class ChatTab:
                        *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
-        gr.on([self.text.submit, self.send.click], self._on_send, turn_inputs, outputs,
+        gr.on([self.text.submit, self.send.click], self.on_send, turn_inputs, outputs,
               **generating(self.server))
-        gr.on([self.regenerate.click, self.chatbot.retry], self._on_regenerate, turn_inputs,
+        gr.on([self.regenerate.click, self.chatbot.retry], self.on_regenerate, turn_inputs,
               outputs, **generating(self.server))
-        self.chatbot.edit(self._on_edit, turn_inputs, outputs, **generating(self.server))
-        gr.on([self.undo.click, self.chatbot.undo], self._on_undo, turn_inputs, outputs)
-        gr.on([self.new.click, self.chatbot.clear], self._on_new,
+        self.chatbot.edit(self.on_edit, turn_inputs, outputs, **generating(self.server))
+        gr.on([self.undo.click, self.chatbot.undo], self.on_undo, turn_inputs, outputs)
+        gr.on([self.new.click, self.chatbot.clear], self.on_new,
               {self.state, *self.settings.components}, outputs)
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
@@ -127,7 +127,7 @@ class ChatTab:
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
-    def _on_send(self, values: dict) -> Iterator[dict]:
+    def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
             raise gr.Error("Type a message first.")
@@ -144,7 +144,7 @@ class ChatTab:
         with state.running():
             yield from self._turn(values, state, text)
 
-    def _on_regenerate(self, values: dict) -> Iterator[dict]:
+    def on_regenerate(self, values: dict) -> Iterator[dict]:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
         if index is None:
@@ -154,7 +154,7 @@ class ChatTab:
             state.rebuild(shown[:index])
             yield from self._turn(values, state, shown[index]["content"])
 
-    def _on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
+    def on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
         state = values[self.state]
         if state is None:
             raise gr.Error("Nothing to edit yet.")
@@ -169,7 +169,7 @@ class ChatTab:
                 state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
                 yield {self.chatbot: state.shown()} | self._views(values, state, True)
 
-    def _on_undo(self, values: dict) -> dict:
+    def on_undo(self, values: dict) -> dict:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
         if index is None:
@@ -180,7 +180,7 @@ class ChatTab:
             return ({self.chatbot: shown[:index], self.text: shown[index]["content"]}
                     | self._views(values, state, True))
 
-    def _on_new(self, values: dict) -> dict:
+    def on_new(self, values: dict) -> dict:
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [],
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),

@@ -10,15 +10,13 @@ import gradio as gr
 
 from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.inputs import InputLimits
-from h2o_chat.fidelity import FidelityProbe
 from h2o_chat.session import ChatSession
 
 from .chat_tab import shown_messages
 from .fidelity_panel import FidelityPanel
-from .gauges import (
-    GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, first_divergence, gauge_html,
-)
+from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
 from .settings import Settings, budget, new_cache
@@ -31,7 +29,7 @@ BOUNDED, FULL = "bounded", "full"  # the two sides
 FULL_LABEL = "full cache"
 _CONTEXT_TOKENS = 8  # tokens of each reply shown after the point where they diverge
 # The fidelity gauge's shadow costs the bounded side one more forward pass per token
-# (tests/measure_fidelity_cost.py), so it starts off.
+# (tools/measure_fidelity_cost.py), so it starts off.
 FIDELITY_ON = False
 
 
@@ -128,17 +126,17 @@ class CompareTab:
                 *self.fidelity.outputs, *self.map.outputs]
 
     def _wire(self) -> None:
-        gr.on([self.text.submit, self.send.click], self._on_send,
+        gr.on([self.text.submit, self.send.click], self.on_send,
               {self.state, self.text, self.map.live, self.fidelity.enabled,
                *self.settings.components, *self.map.pickers},
               self._outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
-        self.reset.click(self._on_reset, {self.state, *self.settings.components}, self._outputs)
+        self.reset.click(self.on_reset, {self.state, *self.settings.components}, self._outputs)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
-    def _on_send(self, values: dict) -> Iterator[dict]:
+    def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
             raise gr.Error("Type a message first.")
@@ -220,7 +218,7 @@ class CompareTab:
         state.divergences.append(f"<li>turn {turn}: {line}</li>")
         return "<b>Where the replies diverge</b><ul>" + "".join(state.divergences) + "</ul>"
 
-    def _on_reset(self, values: dict) -> dict:
+    def on_reset(self, values: dict) -> dict:
         close_state(values[self.state])
         cache = self.settings.cache(values)
         return {self.state: None, self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),

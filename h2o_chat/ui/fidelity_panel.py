@@ -145,8 +145,8 @@ class FidelityPanel:
         return [self.summary, self.plot, self.step, self.detail]
 
     def wire(self, state: gr.State) -> None:
-        self.plot.select(self._on_select, state, [self.step, self.detail], show_progress="hidden")
-        self.step.submit(self._on_step, [state, self.step], [self.step, self.detail],
+        self.plot.select(self.on_select, state, [self.step, self.detail], show_progress="hidden")
+        self.step.submit(self.on_step, [state, self.step], [self.step, self.detail],
                          show_progress="hidden")
 
     def render(self, state) -> dict:
@@ -176,16 +176,16 @@ class FidelityPanel:
         return {self.step: point.position,
                 self.detail: forgotten_html(point, tokens, loaded.pieces, loaded.layers * loaded.kv_heads)}
 
-    def _on_select(self, state, event: gr.SelectData) -> dict:
+    def on_select(self, state, event: gr.SelectData) -> dict:
         probe = state.probe if state else None
         if probe is None or not isinstance(event.index, (list, tuple)):
             return unchanged(self.detail)
         point = pick_point(probe.points, *event.index[:2])
         if point is None:
             return unchanged(self.detail)
-        return self._on_step(state, point.position)
+        return self.on_step(state, point.position)
 
-    def _on_step(self, state, step: float | None) -> dict:
+    def on_step(self, state, step: float | None) -> dict:
         if state is None or state.probe is None:
             return unchanged(self.detail)
         state.fidelity_step = None if step is None else int(step)

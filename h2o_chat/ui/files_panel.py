@@ -85,15 +85,15 @@ class FilesPanel:
         """Connect to ``tab``'s state, settings, gauge and map; ``state_type`` builds the
         view's per-browser state."""
         self.tab, self.state_type, self.gauge_label = tab, state_type, gauge_label
-        self.save.click(self._on_save, {tab.state}, [self.download, self.status])
+        self.save.click(self.on_save, {tab.state}, [self.download, self.status])
         self.view_inputs = {tab.state, tab.map.live, *tab.settings.components, *tab.map.pickers}
         self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, self.status]
-        self.resume.upload(self._on_resume, {self.resume, *self.view_inputs},
+        self.resume.upload(self.on_resume, {self.resume, *self.view_inputs},
                            self.view_outputs + self._session_outputs())
 
     # ---- handlers -------------------------------------------------------------------------
 
-    def _on_save(self, values: dict) -> dict:
+    def on_save(self, values: dict) -> dict:
         state = values[self.tab.state]
         if state is None:
             return self._refused(f"nothing to save yet: start a {self.kind} first", "Not saved")
@@ -104,7 +104,7 @@ class FilesPanel:
                 self.status: f"Saved {stats.tokens} tokens with {stats.cache.held} cache slots "
                              f"per layer and head ({path.stat().st_size / 1024**2:.1f} MB)."}
 
-    def _on_resume(self, values: dict) -> dict:
+    def on_resume(self, values: dict) -> dict:
         try:
             path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
             loaded = wait_for_model(self.tab.provider)
@@ -160,15 +160,15 @@ class ChatFiles(FilesPanel):
 
     def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
         super().wire(tab, state_type, gauge_label)
-        self.export_json.click(self._on_export_json, {tab.state}, [self.download, self.status])
-        self.export_markdown.click(self._on_export_markdown, {tab.state}, [self.download, self.status])
-        self.import_json.upload(self._on_import, {self.import_json, *self.view_inputs},
+        self.export_json.click(self.on_export_json, {tab.state}, [self.download, self.status])
+        self.export_markdown.click(self.on_export_markdown, {tab.state}, [self.download, self.status])
+        self.import_json.upload(self.on_import, {self.import_json, *self.view_inputs},
                                 self.view_outputs + self._session_outputs())
 
-    def _on_export_json(self, values: dict) -> dict:
+    def on_export_json(self, values: dict) -> dict:
         return self._export(values, Conversation.to_json, ".json")
 
-    def _on_export_markdown(self, values: dict) -> dict:
+    def on_export_markdown(self, values: dict) -> dict:
         return self._export(values, Conversation.to_markdown, ".md")
 
     def _export(self, values: dict, render: Callable[[Conversation], str], suffix: str) -> dict:
@@ -181,7 +181,7 @@ class ChatFiles(FilesPanel):
         path.write_text(render(conversation), encoding="utf-8")
         return {self.download: str(path), self.status: f"Exported {len(conversation.messages)} messages."}
 
-    def _on_import(self, values: dict) -> dict:
+    def on_import(self, values: dict) -> dict:
         try:
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
             conversation = read_conversation(path.read_bytes(), InputLimits.of(self.tab.server))
@@ -219,7 +219,7 @@ class StoryFiles(FilesPanel):
 
     def _new_state(self, loaded, cache, session) -> ViewState:
         # The bible box shows the bible without the blank line the view adds after it.
-        bible = session._decode(session.tokens[: session.bible_tokens]).strip()
+        bible = session.decode(session.tokens[: session.bible_tokens]).strip()
         return self.state_type(loaded, cache, bible, InputLimits.of(self.tab.server))
 
     def _shown(self, state: ViewState) -> dict:

@@ -153,11 +153,3 @@ def decode_rate(generated: int, busy_seconds: float, prefill_seconds: float) -> 
     decoding = busy_seconds - prefill_seconds
     return (generated - 1) / decoding if generated > 1 and decoding > 0 else 0.0
 
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where ``a`` and ``b`` differ (the shorter one's length if
-    one is a prefix of the other); None when they are equal."""
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))

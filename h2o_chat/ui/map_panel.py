@@ -44,10 +44,10 @@ class MapPanel:
     def wire(self, state: gr.State) -> None:
         """Re-render when a picker changes; ``state`` holds the view's ``ViewState``."""
         self._state = state
-        gr.on([self.layer.change, self.head.change], self._on_pick, {state, *self.pickers},
+        gr.on([self.layer.change, self.head.change], self.on_pick, {state, *self.pickers},
               self.outputs, show_progress="hidden")
 
-    def _on_pick(self, values: dict) -> dict:
+    def on_pick(self, values: dict) -> dict:
         state: ViewState | None = values[self._state]
         snapshot = state.snapshot() if state else None
         if snapshot is None:

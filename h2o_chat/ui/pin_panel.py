@@ -139,15 +139,15 @@ class PinPanel:
         ``outputs``."""
         self._state, self._refresh = state, refresh
         outputs = [self.text, *self.outputs, *outputs]
-        gr.on([self.pin.click, self.text.submit], self._on_pin, {state, self.text, *inputs},
+        gr.on([self.pin.click, self.text.submit], self.on_pin, {state, self.text, *inputs},
               outputs)
-        self.unpin.click(self._on_unpin, {state, self.choice, *inputs}, outputs)
+        self.unpin.click(self.on_unpin, {state, self.choice, *inputs}, outputs)
 
-    def _on_pin(self, values: dict) -> dict:
+    def on_pin(self, values: dict) -> dict:
         return self._change(values, lambda session: session.pin(values[self.text]),
                             clear_text=True)
 
-    def _on_unpin(self, values: dict) -> dict:
+    def on_unpin(self, values: dict) -> dict:
         choice = values[self.choice]
         if choice is None:
             gr.Warning("Choose a pin to unpin first.")

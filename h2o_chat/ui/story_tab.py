@@ -90,19 +90,19 @@ class StoryTab:
     def _wire(self) -> None:
         outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
         self.go.click(
-            self._on_continue,
+            self.on_continue,
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
-        self.new.click(self._on_new, {self.state, *self.settings.components}, outputs)
+        self.new.click(self.on_new, {self.state, *self.settings.components}, outputs)
         self.map.wire(self.state)
         self.files.wire(self, StoryState, GAUGE_LABEL)
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
-    def _on_continue(self, values: dict) -> Iterator[dict]:
+    def on_continue(self, values: dict) -> Iterator[dict]:
         bible, story = values[self.bible], values[self.story]
         if not story.strip() and not bible.strip():
             raise gr.Error("Write a beginning (or a story bible) to continue from.")
@@ -132,7 +132,7 @@ class StoryTab:
                 closed=lambda: state.closed,
             )
 
-    def _on_new(self, values: dict) -> dict:
+    def on_new(self, values: dict) -> dict:
         close_state(values[self.state])
         return {self.state: None, self.story: "",
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),

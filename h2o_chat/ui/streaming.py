@@ -15,12 +15,13 @@ UPDATE_INTERVAL_S = 0.3
 class Throttle:
     """``due()`` is True at most once per ``interval`` seconds, and on the first call."""
 
-    def __init__(self, interval: float = UPDATE_INTERVAL_S) -> None:
-        self.interval = interval
+    def __init__(self, interval: float = UPDATE_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval, self.clock = interval, clock
         self._last = float("-inf")
 
     def due(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last < self.interval:
             return False
         self._last = now
@@ -32,22 +33,23 @@ class Interleaved:
     one generator. ``busy[key]`` is the time spent inside that stream's own steps, which
     gives each its real speed although they share the CPU."""
 
-    def __init__(self, streams: Mapping[str, Generator[str, None, None]]) -> None:
-        self._streams = dict(streams)
+    def __init__(self, streams: Mapping[str, Generator[str, None, None]],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._streams, self.clock = dict(streams), clock
         self.busy = {key: 0.0 for key in streams}
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         try:
             while self._streams:
                 for key, stream in list(self._streams.items()):
-                    started = time.perf_counter()
+                    started = self.clock()
                     try:
                         chunk = next(stream)
                     except StopIteration:
                         del self._streams[key]
                         continue
                     finally:
-                        self.busy[key] += time.perf_counter() - started
+                        self.busy[key] += self.clock() - started
                     yield key, chunk
         finally:
             # Abandoned midway (client gone): end each turn now, so its session records
@@ -56,20 +58,20 @@ class Interleaved:
                 stream.close()
 
 
-
 def stream_turn(
     stream: Iterator[str],
     show: Callable[[str], dict],
     views: Callable[[bool], dict],
     final: Callable[[], dict],
     closed: Callable[[], bool],
+    throttle: Throttle | None = None,
 ) -> Iterator[dict]:
     """The updates of one streamed turn: ``show(text so far)`` on every chunk, plus
     ``views(final=False)`` (gauges, map) when the throttle lets them through, in step
     with the tokens; at the end ``final() | views(True)``. Stops quietly once ``closed()``
     (the view was reset meanwhile, so its outputs belong to someone else now). A failure
     inside the turn becomes a ``gr.Error`` the page shows, after the final views."""
-    throttle = Throttle()
+    throttle = throttle or Throttle()
     text = ""
     try:
         for chunk in stream:

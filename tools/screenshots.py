@@ -1,11 +1,11 @@
 """Retake the README's screenshots (assets/chat.png, story.png, compare.png) from the real
-app after a few real turns: ``make screenshots`` or ``python -m tests.screenshots``."""
+app after a few real turns: ``make screenshots`` or ``python -m tools.screenshots``."""
 
 from __future__ import annotations
 
 from playwright.sync_api import Page, sync_playwright
 
-from .browser_support import (
+from tests.browser_support import (
     ROOT, chromium, configure, open_app, open_tab, running_app, send, set_number, show_settings, start_and_wait,
 )
 

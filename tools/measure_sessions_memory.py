@@ -1,4 +1,4 @@
-"""Server memory as browser sessions open and close: ``python -m tests.measure_sessions_memory [sessions] [batch]``
+"""Server memory as browser sessions open and close: ``python -m tools.measure_sessions_memory [sessions] [batch]``
 (defaults 50 and 10).
 
 Starts the real app and opens browser contexts in batches of ``batch``, each sending a
@@ -17,7 +17,7 @@ import time
 import psutil
 from playwright.sync_api import sync_playwright
 
-from .browser_support import DONE_TIMEOUT_MS, chromium, configure, open_app, running_app
+from tests.browser_support import DONE_TIMEOUT_MS, chromium, configure, open_app, running_app
 
 MESSAGE = "Summarise this. " + "The river ran past the mill, and the miller counted sacks of grain. " * 40
 

@@ -1,5 +1,5 @@
 """A long soak: one chat session, many turns, memory and cache size per turn:
-``python -m tests.measure_soak [turns] [max_new_tokens]`` (defaults 300 and 16).
+``python -m tools.measure_soak [turns] [max_new_tokens]`` (defaults 300 and 16).
 
 The user turns are the MT-Bench questions (both turns of each, in order, then again),
 replies greedy, on the app's default cache. Prints the process's resident memory now and

@@ -1,5 +1,5 @@
 """Decoding speed in the real app with the live retained-token map on and off:
-``python -m tests.measure_map_speed [runs] [tokens]``.
+``python -m tools.measure_map_speed [runs] [tokens]``.
 
 Each run is a new chat with the same greedy prompt, read off the gauge (the session's own
 decode rate); on and off alternate, so a neighbour's load on a shared machine hits both.
@@ -14,7 +14,7 @@ import time
 
 from playwright.sync_api import sync_playwright
 
-from .browser_support import chromium, configure, gauge, open_app, running_app, send
+from tests.browser_support import chromium, configure, gauge, open_app, running_app, send
 
 PROMPT = "Write a long story about a dragon who guards a library."
 

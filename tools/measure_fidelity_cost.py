@@ -1,4 +1,4 @@
-"""What the compare view's fidelity gauge costs: ``python -m tests.measure_fidelity_cost
+"""What the compare view's fidelity gauge costs: ``python -m tools.measure_fidelity_cost
 [runs] [tokens]``.
 
 Each run resets the compare view and sends the same greedy prompt through its real
@@ -56,10 +56,10 @@ class CompareView:
         return updates
 
     def _updates(self, text: str) -> Iterator[dict]:
-        yield from self.tab._on_send(self.values | {self.tab.text: text})
+        yield from self.tab.on_send(self.values | {self.tab.text: text})
 
     def reset(self) -> dict:
-        update = self.tab._on_reset(self.values)
+        update = self.tab.on_reset(self.values)
         self.values[self.tab.state] = None
         return update
 

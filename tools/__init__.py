@@ -1,0 +1,1 @@
+"""Measurement and maintenance scripts, run as `python -m tools.NAME` from the repository root."""
