@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # on the 2-core dev machine under load, decoding fell from ~12 to ~1 token/s.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from h2o_chat.config import ConfigError, load_config  # noqa: E402
+from h2o_chat.config import POLICIES, ConfigError, load_config  # noqa: E402
 from h2o_chat.loading import EMBEDDED_GGUF, load_model  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, help="port to listen on (default from the config: 7860)")
     parser.add_argument("--share", action="store_true", default=None,
                         help="also ask Gradio for a public share link")
-    parser.add_argument("--policy", help="cache policy: full, h2o, recent or sink")
+    parser.add_argument("--policy", help=f"cache policy: {', '.join(POLICIES)}")
     parser.add_argument("--heavy", type=int, help="heavy-hitter slots")
     parser.add_argument("--recent", type=int, help="recent-window slots")
     parser.add_argument("--sink", type=int, help="attention-sink slots")

@@ -1,11 +1,12 @@
 """h2o-chat: a local chat app whose KV cache stays bounded with the H2O policy.
 
-Public API: ``load_model``, ``make_cache``, ``ChatSession``, ``StorySession``,
-``save_session`` / ``load_session`` (a session with its cache, in one file).
+Public API: ``load_model``, ``make_cache`` / ``cache_from_config``, ``ChatSession``,
+``StorySession``, ``save_session`` / ``load_session`` (a session with its cache, in one file).
 """
 
-from .attention import ATTENTION_NAME, register_h2o_attention
-from .cache import H2OCache, make_cache
+from .engine.attention import ATTENTION_NAME, register_h2o_attention
+from .engine.build import cache_from_config, make_cache
+from .engine.cache import H2OCache
 from .loading import load_model
 from .session import ChatSession, StorySession
 from .snapshot import load_session, save_session
@@ -17,6 +18,7 @@ __all__ = [
     "ChatSession",
     "H2OCache",
     "StorySession",
+    "cache_from_config",
     "load_model",
     "load_session",
     "make_cache",

@@ -17,6 +17,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+# The cache policies, by name: config validation, the UI, the command line and the bench
+# all read this list; ``h2o_chat.engine.policies.make_policy`` builds each.
+POLICIES = ("full", "h2o", "recent", "sink")
+
 
 @dataclass
 class ModelConfig:
@@ -33,7 +37,7 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    policy: str = "h2o"  # full | h2o | recent | sink
+    policy: str = "h2o"  # one of POLICIES
     heavy: int = 128
     recent: int = 128
     sink: int = 4
@@ -137,7 +141,7 @@ _RULES: dict[str, _Rule] = {
     "model.device": _choice("cpu", "cuda", "auto"),
     "model.quantization": _choice("4bit", "8bit"),
     "model.threads": _int_at_least(1),
-    "cache.policy": _choice("full", "h2o", "recent", "sink"),
+    "cache.policy": _choice(*POLICIES),
     "cache.heavy": _int_at_least(0),
     "cache.recent": _int_at_least(0),
     "cache.sink": _int_at_least(0),

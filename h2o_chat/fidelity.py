@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .cache import H2OCache, make_cache
+from .engine.build import make_cache
+from .engine.cache import H2OCache
 from .session import Session
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
@@ -70,6 +72,12 @@ def held_positions(cache: H2OCache) -> torch.Tensor | None:
     return torch.stack([layer.positions[0] for layer in cache.layers])
 
 
+def _keep_newest_attention(store: list[torch.Tensor | None], index: int, probabilities: torch.Tensor) -> None:
+    """Store at ``index`` what the newest query gave each slot, ``(batch, kv_heads, held)``
+    float32, summed over the query heads of the slot's KV head."""
+    store[index] = probabilities[:, :, :, -1].sum(dim=2)
+
+
 class FidelityProbe:
     """A full-cache shadow of one session; ``points`` holds one ``FidelityPoint`` per
     forward pass of the session since it was attached."""
@@ -78,8 +86,12 @@ class FidelityProbe:
         self.session = session
         self.top_k = top_k
         self.shadow = make_cache(session.model, "full")
-        for layer in self.shadow.layers:
-            layer.watch_newest = True
+        # Per shadow layer, the mass each slot got from the newest query at the latest
+        # step. The observers hold this list, not the probe: no cycle keeps the shadow's
+        # buffers alive after the probe is dropped.
+        self._newest_attention: list[torch.Tensor | None] = [None] * len(self.shadow.layers)
+        for index, layer in enumerate(self.shadow.layers):
+            layer.attention_observer = partial(_keep_newest_attention, self._newest_attention, index)
         self.shadow_tokens: list[int] = []  # what the shadow has read
         self._predicted_from: list[int] = []  # the conversation the points are about
         self.points: list[FidelityPoint] = []
@@ -164,7 +176,7 @@ class FidelityProbe:
     def _point(self, position: int, logits: torch.Tensor, full_logits: torch.Tensor,
                visible: torch.Tensor) -> FidelityPoint:
         # A full cache never evicts, so its slot i holds position i.
-        attention = torch.stack([layer.newest_attention[0] for layer in self.shadow.layers]).cpu()
+        attention = torch.stack([newest[0] for newest in self._newest_attention]).cpu()
         query_heads = self.session.model.config.get_text_config(decoder=True).num_attention_heads
         lacking = ~visible
         lost = (attention * lacking).sum(dim=(0, 1)) / (attention.shape[0] * query_heads)

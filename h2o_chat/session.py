@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import CacheStats, H2OCache, make_cache
+from .engine.build import cache_from_config
+from .engine.cache import CacheStats, H2OCache
+from .loading import eos_token_ids
 from .config import CacheConfig, GenerationConfig, check_field
 from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
                      check_system_prompt)
@@ -102,11 +104,8 @@ class Session:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
         self.limits = limits or InputLimits()  # what texts and the conversation may hold
-        defaults = CacheConfig()
         self.model, self.tokenizer = model, tokenizer
-        self.cache = cache or make_cache(
-            model, defaults.policy, heavy=defaults.heavy, recent=defaults.recent, sink=defaults.sink
-        )
+        self.cache = cache or cache_from_config(model, CacheConfig())
         self.prefill_chunk_size = prefill_chunk_size
         self.tokens: list[int] = []
         self.fed = 0
@@ -116,10 +115,7 @@ class Session:
         self.reply: list[int] = []  # tokens generated in the current or last turn
         self._decode_tokens_per_s = 0.0
         self._prefill_seconds = 0.0
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        if tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
         self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
         self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans

@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .cache import H2OCache
+from .engine.cache import H2OCache
 from .config import CacheConfig
 from .inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
 from .inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import h2o_chat  # noqa: F401  (registers the h2o attention)
-from h2o_chat.attention import ATTENTION_NAME
+from h2o_chat.engine.attention import ATTENTION_NAME
 
 from .reference import register_reference
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_chat import make_cache
-from h2o_chat.attention import ATTENTION_NAME
+from h2o_chat.engine.attention import ATTENTION_NAME
 
 from .helpers import fail_next_update, feed, record_slots_attended
 from .reference import REFERENCE_NAME, ReferenceRule, use_rule
@@ -297,7 +297,7 @@ def test_make_cache_rejects_bad_arguments(tiny_model):
 def test_one_slot_over_budget_drops_what_the_full_sort_drops():
     """The decode fast path (no sort) against the general rule on scores full of ties:
     the lowest-scored middle slot goes, the newest of equals."""
-    from h2o_chat.policies import H2OPolicy
+    from h2o_chat.engine.policies import H2OPolicy
 
     torch.manual_seed(4)
     policy = H2OPolicy(heavy=5, recent=3, sink=2)
@@ -317,7 +317,7 @@ def test_drop_one_names_the_slot_that_keep_drops(name):
     """The decode path without a sort: slots in any memory order, scores full of ties; the
     slot ``drop_one`` names holds the token that the general rule (``keep``, on slots in
     temporal order) drops."""
-    from h2o_chat.policies import make_policy
+    from h2o_chat.engine.policies import make_policy
 
     policy = make_policy(name.split()[0], heavy=5, recent=3, sink=2,
                          score_norm="mean" if "mean" in name else "sum")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h2o_chat import loading
-from h2o_chat.attention import ATTENTION_NAME
+from h2o_chat.engine.attention import ATTENTION_NAME
 from h2o_chat.config import ModelConfig
 
 

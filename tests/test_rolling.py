@@ -6,8 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
 from h2o_chat import make_cache
-from h2o_chat.attention import ATTENTION_NAME
-from h2o_chat.rope import RopeShifter
+from h2o_chat.engine.attention import ATTENTION_NAME
+from h2o_chat.engine.rope import RopeShifter
 
 from .helpers import BOOK_EXCERPT, feed
 

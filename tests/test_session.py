@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_chat import ChatSession, StorySession, make_cache
-from h2o_chat.attention import ATTENTION_NAME
+from h2o_chat.engine.attention import ATTENTION_NAME
 
 from .helpers import BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o, record_slots_attended
 

@@ -12,9 +12,17 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-COMPARISONS = ["streaming", "continuation", "tune", "xsum", "speed", "chat", "rolling"]
+import torch
+
+from h2o_chat.loading import load_model
+
+from . import data, long_chat, report, rolling, speed, streaming, xsum
+from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the issue's protocol.
 PRESETS = {
@@ -71,12 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def variant_factory(spec: str | None):
+def variant_factory(spec: str | None) -> Callable[[int], Variant] | None:
     """``norm:share:sink`` -> a function slots -> Variant labelled 'h2o tuned'."""
     if not spec:
         return None
-    from .variants import h2o_split
-
     norm, share, sink = spec.split(":")
     kw = {}
     if norm.startswith("decay"):
@@ -92,113 +98,129 @@ def log(message: str) -> None:
     print(time.strftime("%H:%M:%S"), message, file=sys.stderr, flush=True)
 
 
+Page = tuple[str, str, str]  # results name, title, markdown body
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What every comparison reads: the flags, the model and the extra variant, if any."""
+
+    args: argparse.Namespace
+    model: Any
+    tokenizer: Any
+    extra: Callable[[int], Variant] | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    label: str  # in the log
+    measure: Callable[[Bench], tuple[str, dict]]  # the results name (of the JSON) and the results
+    pages: Callable[[Bench, dict], list[Page]]  # draws the plots; the markdown pages to write
+
+
+def _quality_phases(args: argparse.Namespace) -> list[str]:
+    return [c for c in ("streaming", "continuation") if c in args.comparisons]
+
+
+def _measure_quality(bench: Bench) -> tuple[str, dict]:
+    args, extra, phases = bench.args, bench.extra, _quality_phases(bench.args)
+    passages = data.passages(bench.tokenizer, args.passages, 1536 + 200)
+    sets = (lambda slots: standard_variants(slots) + [extra(slots)]) if extra else None
+    result = streaming.run_quality(bench.model, bench.tokenizer, passages, parse_budgets(args.budgets),
+                                   phases=phases, variant_sets=sets, chunk=args.prefill_chunk, log=log)
+    return ("streaming" if phases == ["streaming"] else "quality"), result
+
+
+_QUALITY_TITLES = {"streaming": "1. Streaming (teacher forcing, one token at a time)",
+                   "continuation": "2. Compressed context (1536 tokens, chunked), then the next 200 tokens"}
+
+
+def _quality_pages(bench: Bench, result: dict) -> list[Page]:
+    records, pages = result["records"], []
+    for phase in _quality_phases(bench.args):
+        body = report.quality_tables(records, phase)
+        body += "\n\nTargets (20% budget):\n\n" + "\n".join(report.target_check(records, phase) or ["- (20% not run)"])
+        if "20%" in {r["budget"] for r in records}:
+            body += "\n\nPer passage, 20% budget:\n\n" + report.per_passage_table(records, phase, "20%")
+        report.quality_plot(records, phase, bench.args.out / f"{phase}.png",
+                            f"{phase}: {len(result['config']['passages'])} passages, same tokens for every policy")
+        pages.append((phase, _QUALITY_TITLES[phase], f"{body}\n\n![{phase}]({phase}.png)"))
+    return pages
+
+
+def _measure_tuning(bench: Bench) -> tuple[str, dict]:
+    passages = data.passages(bench.tokenizer, bench.args.passages, 1536 + 200, split="tune")
+    return "tuning", streaming.run_quality(bench.model, bench.tokenizer, passages, parse_budgets(bench.args.tune_budgets),
+                                           variant_sets=streaming.tuning_variants, log=log)
+
+
+def _tuning_pages(bench: Bench, result: dict) -> list[Page]:
+    report.tuning_plot(result["records"], bench.args.out / "tuning.png")
+    body = ("Tuning passages are disjoint from the comparison passages (the `tune` split).\n\n"
+            + report.tuning_tables(result["records"]) + "\n\n![tuning](tuning.png)")
+    return [("tuning", "Tuning study: split, sinks, score normalisation", body)]
+
+
+def _one_page(name: str, title: str, run: Callable[[Bench], dict], plot: Callable[[dict, Path], None],
+              markdown: Callable[[dict], str]) -> Comparison:
+    """A comparison with one page: its markdown (with the result's notes, if any), then its plot."""
+    def pages(bench: Bench, result: dict) -> list[Page]:
+        plot(result, bench.args.out / f"{name}.png")
+        notes = "\n\n" + "\n".join(result["notes"]) if "notes" in result else ""
+        return [(name, title, f"{markdown(result)}{notes}\n\n![{name}]({name}.png)")]
+
+    return Comparison(name, lambda bench: (name, run(bench)), pages)
+
+
+_QUALITY = Comparison("quality", _measure_quality, _quality_pages)
+# Each comparison by the names that select it, in the order they run.
+TABLE: dict[str, Comparison] = {
+    "streaming": _QUALITY,
+    "continuation": _QUALITY,
+    "tune": Comparison("tuning", _measure_tuning, _tuning_pages),
+    "xsum": _one_page(
+        "xsum", "3. XSUM summarization (H2O paper protocol, 0-shot)",
+        lambda b: xsum.run(b.model, b.tokenizer, b.args.articles, extra=b.extra, log=log),
+        report.xsum_plot, report.xsum_markdown),
+    "speed": _one_page(
+        "speed", "4. Speed and memory vs context length",
+        lambda b: speed.run(b.model, b.tokenizer, [int(c) for c in b.args.contexts.split(",")],
+                            b.args.decode_tokens, b.args.repeats, b.args.prefill_repeats, log=log),
+        report.speed_plot, report.speed_markdown),
+    "chat": _one_page(
+        "long_chat", "5. A long chat: MT-Bench, one session per policy",
+        lambda b: long_chat.run(b.model, b.tokenizer, b.args.questions, b.args.max_new_tokens,
+                                b.args.chat_budget, extra=b.extra, log=log),
+        report.chat_plot, report.chat_markdown),
+    "rolling": _one_page(
+        "rolling", "6. Position rolling past the trained context",
+        lambda b: rolling.run(b.model, b.tokenizer, b.args.tokens, budget=b.args.rolling_budget,
+                              chunk=b.args.chunk, log=log),
+        report.rolling_plot, report.rolling_markdown),
+}
+COMPARISONS = list(TABLE)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    from h2o_chat.loading import load_model
-
-    from . import report
-
     model, tokenizer = load_model()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"results -> {args.out}  ({args.mode} mode, {torch.get_num_threads()} torch threads)")
-    extra = variant_factory(args.variant)
-
-    def finish(name: str, result: dict, started: float, loadavg_start) -> dict:
-        machine = report.machine_info()
-        machine["loadavg_start"] = loadavg_start
+    bench = Bench(args, model, tokenizer, variant_factory(args.variant))
+    command = "python -m h2o_chat.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    for comparison in dict.fromkeys(TABLE[name] for name in COMPARISONS if name in args.comparisons):
+        started, loadavg_start = time.perf_counter(), list(os.getloadavg())
+        name, result = comparison.measure(bench)
+        machine = report.machine_info() | {"loadavg_start": loadavg_start}
         result.update(machine=machine, mode=args.mode, seconds=round(time.perf_counter() - started, 1),
-                      command="python -m h2o_chat.bench " + " ".join(sys.argv[1:] if argv is None else argv))
+                      command=command)
         report.write_json(args.out, name, result)
-        return machine
-
-    quality = [c for c in ("streaming", "continuation") if c in args.comparisons]
-    if quality:
-        from . import data, streaming
-        from .variants import standard_variants
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        passages = data.passages(tokenizer, args.passages, 1536 + 200)
-        sets = (lambda slots: standard_variants(slots) + [extra(slots)]) if extra else None
-        result = streaming.run_quality(model, tokenizer, passages, parse_budgets(args.budgets),
-                                       phases=quality, variant_sets=sets, chunk=args.prefill_chunk, log=log)
-        machine = finish("streaming" if quality == ["streaming"] else "quality", result, started, load0)
-        for phase in quality:
-            body = report.quality_tables(result["records"], phase)
-            body += "\n\nTargets (20% budget):\n\n" + "\n".join(report.target_check(result["records"], phase) or ["- (20% not run)"])
-            if "20%" in {r["budget"] for r in result["records"]}:
-                body += "\n\nPer passage, 20% budget:\n\n" + report.per_passage_table(result["records"], phase, "20%")
-            report.quality_plot(result["records"], phase, args.out / f"{phase}.png",
-                                f"{phase}: {len(passages)} passages, same tokens for every policy")
-            body += f"\n\n![{phase}]({phase}.png)"
-            title = {"streaming": "1. Streaming (teacher forcing, one token at a time)",
-                     "continuation": "2. Compressed context (1536 tokens, chunked), then the next 200 tokens"}[phase]
-            report.write_markdown(args.out, phase, title, body, machine)
-        log(f"quality done in {time.perf_counter() - started:.0f}s")
-
-    if "tune" in args.comparisons:
-        from . import data, streaming
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        passages = data.passages(tokenizer, args.passages, 1536 + 200, split="tune")
-        result = streaming.run_quality(model, tokenizer, passages, parse_budgets(args.tune_budgets),
-                                       variant_sets=streaming.tuning_variants, log=log)
-        machine = finish("tuning", result, started, load0)
-        body = ("Tuning passages are disjoint from the comparison passages (the `tune` split).\n\n"
-                + report.tuning_tables(result["records"]))
-        report.tuning_plot(result["records"], args.out / "tuning.png")
-        body += "\n\n![tuning](tuning.png)"
-        report.write_markdown(args.out, "tuning", "Tuning study: split, sinks, score normalisation", body, machine)
-        log(f"tuning done in {time.perf_counter() - started:.0f}s")
-
-    if "xsum" in args.comparisons:
-        from . import xsum
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        result = xsum.run(model, tokenizer, args.articles, extra=extra, log=log)
-        machine = finish("xsum", result, started, load0)
-        report.xsum_plot(result, args.out / "xsum.png")
-        body = report.xsum_markdown(result) + "\n\n![xsum](xsum.png)"
-        report.write_markdown(args.out, "xsum", "3. XSUM summarization (H2O paper protocol, 0-shot)", body, machine)
-        log(f"xsum done in {time.perf_counter() - started:.0f}s")
-
-    if "speed" in args.comparisons:
-        from . import speed
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        result = speed.run(model, tokenizer, [int(c) for c in args.contexts.split(",")], args.decode_tokens,
-                           args.repeats, args.prefill_repeats, log=log)
-        machine = finish("speed", result, started, load0)
-        report.speed_plot(result, args.out / "speed.png")
-        body = report.speed_markdown(result) + "\n\n" + "\n".join(result["notes"]) + "\n\n![speed](speed.png)"
-        report.write_markdown(args.out, "speed", "4. Speed and memory vs context length", body, machine)
-        log(f"speed done in {time.perf_counter() - started:.0f}s")
-
-    if "chat" in args.comparisons:
-        from . import long_chat
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        result = long_chat.run(model, tokenizer, args.questions, args.max_new_tokens, args.chat_budget,
-                               extra=extra, log=log)
-        machine = finish("long_chat", result, started, load0)
-        report.chat_plot(result, args.out / "long_chat.png")
-        body = report.chat_markdown(result) + "\n\n" + "\n".join(result["notes"]) + "\n\n![long chat](long_chat.png)"
-        report.write_markdown(args.out, "long_chat", "5. A long chat: MT-Bench, one session per policy", body, machine)
-        log(f"chat done in {time.perf_counter() - started:.0f}s")
-    if "rolling" in args.comparisons:
-        from . import rolling
-
-        started, load0 = time.perf_counter(), list(os.getloadavg())
-        result = rolling.run(model, tokenizer, args.tokens, budget=args.rolling_budget, chunk=args.chunk, log=log)
-        machine = finish("rolling", result, started, load0)
-        report.rolling_plot(result, args.out / "rolling.png")
-        body = report.rolling_markdown(result) + "\n\n![rolling](rolling.png)"
-        report.write_markdown(args.out, "rolling", "6. Position rolling past the trained context", body, machine)
-        log(f"rolling done in {time.perf_counter() - started:.0f}s")
+        for page, title, body in comparison.pages(bench, result):
+            report.write_markdown(args.out, page, title, body, machine)
+        log(f"{comparison.label} done in {time.perf_counter() - started:.0f}s")
     log(f"done: {args.out / 'index.md'}")
     return 0
 

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from h2o_chat.cache import make_cache
+from h2o_chat.engine.build import make_cache
 from h2o_chat.session import ChatSession
 
 from . import data

@@ -21,8 +21,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ["full", "h2o", "recent", "sink"]
-COLORS = {"full": "black", "h2o": "tab:red", "recent": "tab:blue", "sink": "tab:green"}
+from h2o_chat.config import POLICIES  # noqa: E402
+
+ORDER = list(POLICIES)  # tables list the policies in this order
+COLORS = dict(zip(POLICIES, ["black", "tab:red", "tab:blue", "tab:green"]))
 
 
 def cpu_model() -> str:

@@ -23,7 +23,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from h2o_chat.cache import make_cache
+from h2o_chat.engine.build import make_cache
 
 from . import data
 from .metrics import perplexity, token_nll

@@ -26,9 +26,10 @@ import psutil
 import torch
 from transformers import DynamicCache
 
-from h2o_chat.cache import H2OCache, make_cache
 from h2o_chat.config import CacheConfig
-from h2o_chat.policies import make_policy
+from h2o_chat.engine.build import cache_for_policy, make_cache
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.policies import make_policy
 
 from . import data
 
@@ -67,9 +68,8 @@ def speed_configs(model, context: int, decode_tokens: int, sink: int = 4):
 
     def never_full(slots: int):
         # make_cache refuses budgets past the model's context (8192 tokens), which the
-        # longest run needs to keep scores without evicting: build the cache directly.
-        layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        return lambda: H2OCache(make_policy("h2o", **budgets(slots)), layers)
+        # longest run needs to keep scores without evicting: build around the policy.
+        return lambda: cache_for_policy(model, make_policy("h2o", **budgets(slots)))
 
     big = context + decode_tokens + 8
     return [

@@ -25,7 +25,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from h2o_chat.cache import make_cache
+from h2o_chat.engine.build import make_cache
 
 from .metrics import summarize, token_metrics
 from .variants import Variant, bench_cache, h2o_split, standard_variants

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from h2o_chat.cache import make_cache
+from h2o_chat.engine.build import make_cache
+from h2o_chat.loading import eos_token_ids
 
 from . import data
 from .variants import Variant, bench_cache
@@ -74,9 +75,7 @@ def run(model, tokenizer, n_articles: int, extra=None, log=print) -> dict:
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-    eos = {tokenizer.eos_token_id} | set(
-        model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-        else [model.generation_config.eos_token_id]) - {None}
+    eos = eos_token_ids(model, tokenizer)
     articles = data.xsum_articles(n_articles)
     per_article = []
     started = time.perf_counter()

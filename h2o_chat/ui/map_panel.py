@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import gradio as gr
 
-from h2o_chat.cache import CacheStats
+from h2o_chat.engine.cache import CacheStats
 
 from . import retention
 from .gauges import Gauge, gauge_html

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import gradio as gr
 
-from h2o_chat.cache import CacheStats
+from h2o_chat.engine.cache import CacheStats
 from h2o_chat.session import Pin, Session
 
 from .view_state import ViewState

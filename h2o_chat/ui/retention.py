@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from h2o_chat.cache import CacheStats
+from h2o_chat.engine.cache import CacheStats
 
 # Above this many tokens the map shows the newest ones only: the browser re-renders the
 # whole map on every update, and a few thousand spans keep that cheap.

@@ -7,11 +7,9 @@ from typing import Any
 
 import gradio as gr
 
-from h2o_chat.cache import H2OCache, make_cache
-from h2o_chat.config import AppConfig, CacheConfig, ConfigError, validate
-from h2o_chat.policies import make_policy
-
-POLICIES = ["h2o", "full", "recent", "sink"]
+from h2o_chat.config import POLICIES, AppConfig, CacheConfig, ConfigError, validate
+from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
+from h2o_chat.engine.cache import H2OCache
 
 
 class Settings:
@@ -36,7 +34,7 @@ class Settings:
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
-                self.policy = gr.Dropdown(POLICIES, value=cache.policy, label="cache policy",
+                self.policy = gr.Dropdown(list(POLICIES), value=cache.policy, label="cache policy",
                                           elem_id="policy")
                 self.heavy = gr.Number(cache.heavy, precision=0, minimum=0,
                                        label="heavy slots", elem_id="heavy")
@@ -67,7 +65,7 @@ class Settings:
         """The cache settings, checked by the config file's rules; gr.Error if bad."""
         cache = dataclasses.replace(
             self.config.cache, policy=values[self.policy], rolling=bool(values[self.rolling]),
-            **{name: _int_or_none(values[getattr(self, name)]) for name in ("heavy", "recent", "sink")},
+            **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
         )
         try:
             return validate(dataclasses.replace(self.config, cache=cache)).cache
@@ -78,8 +76,7 @@ class Settings:
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
     """A cache for ``model``; gr.Error if the budget does not fit the model's context."""
     try:
-        return make_cache(model, cache.policy, rolling=cache.rolling, heavy=cache.heavy,
-                          recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm)
+        return cache_from_config(model, cache)
     except ConfigError as err:
         raise gr.Error(str(err)) from None
 
@@ -87,7 +84,7 @@ def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
 def budget(cache: CacheConfig) -> int | None:
     """Slots a cache with these settings holds at rest, besides pinned tokens (None:
     unbounded)."""
-    return make_policy(cache.policy, heavy=cache.heavy, recent=cache.recent, sink=cache.sink).capacity
+    return policy_from_config(cache).capacity
 
 
 def _int_or_none(value: float | None) -> int | None:

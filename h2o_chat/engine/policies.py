@@ -1,8 +1,10 @@
-"""Eviction policies: which cached slots a layer keeps once it is over budget.
+"""Eviction policies: how a layer scores its cached slots, and which it keeps over budget.
 
-Each policy is one small class behind one interface. The cache layer hands a policy the
-accumulated attention scores of its evictable (unpinned) slots, in temporal order, and the
-policy answers with the indices to keep. Adding a policy never touches the cache code.
+Each policy is one small class behind one interface. After each attention call the cache
+layer asks its policy to ``accumulate`` the attention mass every slot received; once over
+budget it hands the policy the accumulated scores of its evictable (unpinned) slots, in
+temporal order, and the policy answers with the indices to keep. Adding a policy never
+touches the cache code.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from .config import check_cache_budgets, check_field
+from h2o_chat.config import check_cache_budgets, check_field
 
 
 class EvictionPolicy:
@@ -26,6 +28,12 @@ class EvictionPolicy:
     def capacity(self) -> int | None:
         """Evictable slots kept per KV head at rest; ``None`` means unbounded."""
         raise NotImplementedError
+
+    def accumulate(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+        """Fold the attention mass each slot just received into its score, in place; both
+        ``(batch, kv_heads, held)`` float32, slots in the cache's memory order. Called
+        after every attention call that computed probabilities."""
+        scores.add_(received)
 
     def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Indices of the slots to keep.

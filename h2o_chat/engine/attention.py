@@ -1,21 +1,61 @@
 """The ``h2o`` attention function and its mask function, registered with transformers.
 
-The attention function is where H2O sees the attention probabilities: it computes them
-explicitly in float32, sums the mass each cached slot received over the query heads that
-share its KV head (GQA) and over the new queries, and hands that to the cache layer, which
-accumulates it and evicts. Policies that need no scores use the fused sdpa kernel.
+The attention function is where H2O sees the attention probabilities. A cache layer's
+``update`` hands the layer over (``hand_over``, thread-local) to the attention call that
+follows; the attention function then asks it for its inputs (``prepare``), computes the
+probabilities explicitly in float32 where the layer wants them, and gives them back
+(``receive``): the layer scores and evicts. Everything the attention function needs of a
+layer is ``AttentionClient``. Where the layer wants no probabilities, the fused sdpa
+kernel runs.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Protocol
 
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import H2OLayer, layer_awaiting_attention
-
 ATTENTION_NAME = "h2o"
+
+
+class AttentionClient(Protocol):
+    """What the attention function needs of a cache layer (``H2OLayer``)."""
+
+    @property
+    def wants_probabilities(self) -> bool:
+        """Whether ``receive`` wants this call's probabilities (else sdpa may run)."""
+
+    def prepare(self, query: torch.Tensor, new_valid: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Take which of the just-added slots are real tokens (``(batch, new)`` bool,
+        None: all) and return the query as attention must use it and which held slots
+        are real tokens, ``(batch, kv_heads, held)`` bool, or None when all are."""
+
+    def receive(self, probabilities: torch.Tensor | None) -> None:
+        """End of the attention call: its probabilities, ``(batch, kv_heads, groups,
+        query, held)`` float32 (query heads grouped by the KV head whose slots they
+        read), where the layer wanted them; else None."""
+
+
+_pending = threading.local()
+
+
+def hand_over(layer: AttentionClient | None) -> None:
+    """Make ``layer`` the one the next attention call in this thread serves (None: none).
+
+    Thread-local rather than stored on the model, so sessions decoding in two threads
+    with one shared model never touch each other's cache.
+    """
+    _pending.layer = layer
+
+
+def awaiting_attention() -> AttentionClient | None:
+    """The layer handed over in this thread and not yet served."""
+    return getattr(_pending, "layer", None)
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -33,23 +73,22 @@ def _causal_block(query_len: int, device: torch.device) -> torch.Tensor:
     return torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
 
 
-def _slot_mask(layer: H2OLayer, mask: torch.Tensor | None, query_len: int) -> torch.Tensor | None:
-    """Boolean mask over the layer's slots, broadcastable to ``(batch, kv_heads, query,
-    slots)``, or None when every slot is visible to every query (plain decoding)."""
-    if mask is not None:
-        # The last query row sees every real new token, so it tells which are padding.
-        layer.mark_padding(mask[:, 0, -1, -query_len:])
-    if not layer.has_padding:
+def _slot_mask(valid: torch.Tensor | None, mask: torch.Tensor | None, query_len: int,
+               key: torch.Tensor) -> torch.Tensor | None:
+    """Boolean mask over the held slots (``key``'s), broadcastable to ``(batch, kv_heads,
+    query, slots)``, or None when every slot is visible to every query (plain decoding).
+    ``valid``: which held slots are real tokens, None when all are."""
+    held, device = key.shape[2], key.device
+    if valid is None:
         # No padding anywhere: the standard mask's columns are exact (all cached slots
         # are in the past); without one, only a multi-token chunk needs causality.
         if mask is None and query_len > 1:
-            cached = layer.held - query_len
-            old = torch.ones(query_len, cached, dtype=torch.bool, device=layer.device)
-            return torch.cat([old, _causal_block(query_len, layer.device)], dim=-1)[None, None]
+            old = torch.ones(query_len, held - query_len, dtype=torch.bool, device=device)
+            return torch.cat([old, _causal_block(query_len, device)], dim=-1)[None, None]
         return mask
-    new = _causal_block(query_len, layer.device) if mask is None else mask[..., -query_len:]
-    new = new.expand(layer.valid.shape[0], layer.valid.shape[1], query_len, query_len)
-    cached = layer.valid[..., :-query_len, None].transpose(-1, -2)
+    new = _causal_block(query_len, device) if mask is None else mask[..., -query_len:]
+    new = new.expand(valid.shape[0], valid.shape[1], query_len, query_len)
+    cached = valid[..., :-query_len, None].transpose(-1, -2)
     return torch.cat([cached.expand(-1, -1, query_len, -1), new], dim=-1)
 
 
@@ -59,12 +98,11 @@ def _scored_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit float32 probabilities.
 
-    Returns the output ``(batch, query, q_heads, head_dim)``, the probabilities
-    ``(batch, q_heads, query, slots)`` and the mass each slot received,
-    ``(batch, kv_heads, slots)``, summed over queries and the query heads of its group.
+    Returns the output ``(batch, query, q_heads, head_dim)`` and the probabilities
+    ``(batch, kv_heads, groups, query, slots)``, query heads grouped by KV head.
     """
     batch, q_heads, query_len, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -82,8 +120,7 @@ def _scored_attention(
         probs = probs * mask.any(dim=-1, keepdim=True)
     output = torch.matmul(probs.view(batch, kv_heads, groups * query_len, slots), value.float())
     output = output.view(batch, q_heads, query_len, -1).transpose(1, 2).to(query.dtype)
-    received = probs.sum(dim=(2, 3))
-    return output.contiguous(), probs.view(batch, q_heads, query_len, slots), received
+    return output.contiguous(), probs
 
 
 def _sdpa_attention(
@@ -117,23 +154,21 @@ def h2o_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    layer = layer_awaiting_attention()
+    layer = awaiting_attention()
     if layer is None:
         # No H2O cache in this call (e.g. a forward without past_key_values): plain sdpa.
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
-    if layer.query_shift:
-        query = layer.rope.shift(query, layer.query_shift)
-    mask = _slot_mask(layer, attention_mask, query.shape[2])
-    if layer.policy.needs_scores or layer.watch_newest:
-        output, probs, received = _scored_attention(query, key, value, mask, scaling)
-        if layer.watch_newest:
-            batch, kv_heads, slots = received.shape
-            newest = probs[:, :, -1].reshape(batch, kv_heads, -1, slots)
-            layer.newest_attention = newest.sum(dim=2)
-        layer.after_attention(received)
-        return output, probs
+    query_len = query.shape[2]
+    # The last query row sees every real new token, so it tells which are padding.
+    new_valid = None if attention_mask is None else attention_mask[:, 0, -1, -query_len:]
+    query, valid = layer.prepare(query, new_valid)
+    mask = _slot_mask(valid, attention_mask, query_len, key)
+    if layer.wants_probabilities:
+        output, probabilities = _scored_attention(query, key, value, mask, scaling)
+        layer.receive(probabilities)
+        return output, probabilities.flatten(1, 2)
     output = _sdpa_attention(query, key, value, mask, scaling)
-    layer.after_attention(None)
+    layer.receive(None)
     return output, None
 
 

@@ -1,0 +1,446 @@
+"""A bounded KV cache for stock transformers models: one ``H2OLayer`` per decoder layer.
+
+Data path per attention call: the model calls ``H2OCache.update`` -> ``H2OLayer.update``
+appends the new keys/values (score 0) and hands itself over to the attention call that
+follows in this thread -> the registered attention function (``attention.py``) computes
+the softmax probabilities and gives them to ``H2OLayer.receive`` -> the layer's policy
+accumulates the mass each slot received into its score -> after the last layer of its
+``SlotGroup`` (neighbouring layers with stacked buffers, ``slots.py``), the group evicts
+down to budget, every layer by its own scores.
+
+Every layer keeps, per batch row and KV head, the absolute position of each slot, so
+stats and tests can say exactly which tokens are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import awaiting_attention, hand_over
+from .policies import EvictionPolicy
+from .rope import RopeShifter
+from .slots import SlotGroup, grown_size
+from .state import CacheStateMixin
+
+
+class ProtectedSpans:
+    """Half-open ranges of absolute token positions that are never evicted."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def contains(self, positions: torch.Tensor) -> torch.Tensor:
+        inside = torch.zeros_like(positions, dtype=torch.bool)
+        for start, end in self.ranges:
+            inside |= (positions >= start) & (positions < end)
+        return inside
+
+
+class H2OLayer(CacheLayerMixin):
+    """One layer's slots: keys, values, accumulated scores, absolute positions and flags.
+
+    The attributes ``keys``, ``values``, ``scores`` (float32), ``positions``, ``valid``
+    (False for padding) and ``pinned`` are views of the ``held`` slots in use of buffers
+    that the layer's ``SlotGroup`` owns. Shapes: keys/values ``(batch, kv_heads, held,
+    head_dim)``, the others ``(batch, kv_heads, held)``.
+
+    With position rolling (``rope`` given), keys are not kept at their absolute positions
+    but at their temporal rank among the held slots (``rotated_at``), and each call's
+    queries at the ranks after them, so a conversation longer than the model's trained
+    context never shows it a position it was not trained on.
+
+    Slots are not kept in temporal order in memory: an evicted slot is refilled by moving
+    a kept slot from the end, so evicting one token per step moves one slot per head
+    instead of copying the whole cache. Attention does not depend on slot order, new
+    tokens always occupy the last slots during their attention call, and ``positions``
+    gives the temporal order wherever it matters (the policy's view, stats).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False  # evicted slots cannot be brought back
+
+    def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.spans = spans
+        self.rope = rope
+        self.group: SlotGroup | None = None
+        self.closes_group = False  # the last member: its attention call evicts the group
+        self._query_shift = 0  # rolling: positions to move this call's queries by
+        self.seen = 0
+        self._held = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.scores = self.positions = self.valid = self.pinned = None
+        self.has_padding = False  # lets unpadded decoding skip building a mask
+        # Called with the probabilities of every attention call (see ``receive``), even
+        # under a policy that needs no scores; e.g. the fidelity probe's full cache.
+        self.attention_observer: Callable[[torch.Tensor], None] | None = None
+
+    # ---- transformers' layer interface -------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+        slots = (batch, heads, 0)
+        empty = {
+            "keys": key_states.new_empty((*slots, key_states.shape[-1])),
+            "values": value_states.new_empty((*slots, value_states.shape[-1])),
+            "scores": torch.zeros(slots, dtype=torch.float32, device=self.device),
+            "positions": torch.zeros(slots, dtype=torch.long, device=self.device),
+            "valid": torch.ones(slots, dtype=torch.bool, device=self.device),
+            "pinned": torch.zeros(slots, dtype=torch.bool, device=self.device),
+        }
+        if self.rope is not None:
+            empty["rotated_at"] = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.held = 0
+        SlotGroup.alone(self, empty, size=0)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif awaiting_attention() is self:
+            # The previous call never reached our attention function (an exception in
+            # between); finish it now so the cache stays bounded regardless.
+            self.receive(None)
+        new = key_states.shape[2]
+        self._reserve(self.held + new)
+        start, end = self.held, self.held + new
+        positions = torch.arange(self.seen, self.seen + new, device=self.device)
+        buffers = self._buffers
+        if self.rope is not None:
+            # New tokens go right after the held slots, whatever their absolute position.
+            self._query_shift = start - self.seen
+            if self._query_shift:
+                key_states = self.rope.shift(key_states, self._query_shift)
+            buffers["rotated_at"][:, :, start:end] = torch.arange(start, end, device=self.device)
+        buffers["keys"][:, :, start:end] = key_states
+        buffers["values"][:, :, start:end] = value_states
+        buffers["scores"][:, :, start:end] = 0
+        buffers["positions"][:, :, start:end] = positions
+        buffers["valid"][:, :, start:end] = True
+        buffers["pinned"][:, :, start:end] = self.spans.contains(positions)
+        self.seen += new
+        self.held = end
+        hand_over(self)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # Tokens seen, not slots held: generate and the model derive positions from it.
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held + query_length, self.seen - self.held
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.group is not None:
+            self.group.dissolve()
+        self.group = None
+        self._buffers = {}
+        self.keys = self.values = None
+        self.scores = self.positions = self.valid = self.pinned = None
+        self.is_initialized = False
+        self.has_padding = False
+        self.seen = self.held = self._query_shift = 0
+        if awaiting_attention() is self:
+            hand_over(None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an evicting cache cannot be rolled back (crop)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_buffers(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_buffers(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_buffers(lambda t: t[indices, ...])
+
+    # ---- the attention function's side (``attention.AttentionClient``) -------------------
+
+    @property
+    def wants_probabilities(self) -> bool:
+        return self.policy.needs_scores or self.attention_observer is not None
+
+    def prepare(self, query: torch.Tensor, new_valid: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Record which new slots are real tokens (``(batch, new)`` bool, None: all);
+        return the query moved to the rolled positions and the held slots' validity
+        (None while the layer never held padding)."""
+        if new_valid is not None:
+            self._mark_padding(new_valid)
+        if self._query_shift:
+            query = self.rope.shift(query, self._query_shift)
+        return query, self.valid if self.has_padding else None
+
+    def receive(self, probabilities: torch.Tensor | None) -> None:
+        """The end of this layer's attention call: ``probabilities`` ``(batch, kv_heads,
+        groups, query, held)`` float32 where the layer wanted them, else None. The
+        observer sees them, the policy folds each slot's received mass into its score,
+        and the last layer of the group then evicts the group to budget."""
+        hand_over(None)
+        if probabilities is not None:
+            if self.attention_observer is not None:
+                self.attention_observer(probabilities)
+            self.policy.accumulate(self.scores, probabilities.sum(dim=(2, 3)))
+        if self.closes_group:
+            self.group.evict()
+
+    def _mark_padding(self, new_valid: torch.Tensor) -> None:
+        if self.policy.capacity is not None and not bool(new_valid.all()):
+            # Padding slots would take budget from real tokens unevenly across rows, so a
+            # padded batch could not equal its rows run alone.
+            raise ValueError(
+                f"padded batches are not supported with the {self.policy.name} policy: "
+                "feed prompts of equal length, or one at a time (this cache must be discarded)"
+            )
+        new = new_valid.shape[-1]
+        self.valid[..., -new:] = new_valid[:, None, :]
+        self.has_padding = self.has_padding or not bool(new_valid.all())
+
+    # ---- the slot group's side (``slots.SlotMember``) -----------------------------------
+
+    @property
+    def held(self) -> int:
+        """Slots in use; setting it re-points the views at the first ``held`` slots."""
+        return self._held
+
+    @held.setter
+    def held(self, held: int) -> None:
+        self._held = held
+        self._point_views()
+
+    @property
+    def size(self) -> int:
+        """Slots the buffers have room for."""
+        return self._buffers["keys"].shape[2]
+
+    def held_slots(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._buffers}
+
+    def adopt(self, group: SlotGroup, buffers: dict[str, torch.Tensor], closes_group: bool) -> None:
+        self.group, self.closes_group, self._buffers = group, closes_group, buffers
+        self._point_views()
+
+    # ---- the cache's side --------------------------------------------------------------
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slots held by protected tokens; never evicted, so every head of every row holds
+        the same number."""
+        return int(self.pinned[0, 0].sum())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every buffer this layer holds, including room reserved for new tokens."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def restore(self, slots: dict[str, torch.Tensor], size: int, seen: int, has_padding: bool,
+                device: torch.device | str) -> None:
+        """Hold exactly ``slots`` (by buffer name, ``(batch, kv_heads, held, ...)``, in
+        slot order), in buffers of ``size`` slots on ``device``: what ``held_slots``
+        and the counters of a layer showed. Same size and slot order give attention the
+        same memory layout, so the next logits are bit-identical."""
+        self.reset()
+        keys = slots["keys"]
+        self.dtype, self.device = keys.dtype, torch.device(device)
+        self.held = keys.shape[2]
+        SlotGroup.alone(self, slots, size, self.device)
+        self.seen, self.has_padding = seen, has_padding
+        self.is_initialized = True
+
+    def _reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots: a bounded cache reaches its peak size (budget
+        plus one prefill chunk) once and never reallocates after that."""
+        if slots > self.size:
+            self.group.resize(grown_size(self.size, slots, self.held, self.policy.capacity, self.pinned_slots))
+
+    def _point_views(self) -> None:
+        for name, buffer in self._buffers.items():
+            setattr(self, name, buffer[:, :, : self._held])
+
+    def _map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.is_initialized:
+            self.group.dissolve()
+            SlotGroup([self], {name: fn(t) for name, t in self.group.buffers.items()})
+
+
+@dataclass
+class LayerStats:
+    held: int
+    # (batch, kv_heads, held) absolute positions of the kept tokens, ascending per head.
+    positions: torch.Tensor
+
+
+@dataclass
+class CacheStats:
+    policy: dict[str, int | str]
+    seen: int
+    held: int
+    pinned: int
+    budget: int | None  # slots held at rest once over budget (policy capacity + pinned)
+    # Bytes of the cache's buffers (keys, values, scores, positions, flags), read off the
+    # tensors: allocated includes room reserved for incoming tokens, held only slots in use.
+    kv_bytes: int
+    held_bytes: int
+    layers: list[LayerStats]
+
+    @property
+    def budget_reached(self) -> bool:
+        return self.budget is not None and self.held >= self.budget
+
+
+class H2OCache(CacheStateMixin, Cache):
+    """A transformers ``Cache`` whose layers evict by an ``EvictionPolicy``; saved and
+    resumed with ``state``/``load_state`` (``state.py``)."""
+
+    def __init__(self, policy: EvictionPolicy, num_layers: int, rope: RopeShifter | None = None) -> None:
+        self.policy = policy
+        self.spans = ProtectedSpans()
+        self.rolling = rope is not None
+        super().__init__(layers=[H2OLayer(policy, self.spans, rope) for _ in range(num_layers)])
+
+    @property
+    def seen(self) -> int:
+        return self.layers[0].seen
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            self._stack_layers()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _stack_layers(self) -> None:
+        """Put each run of neighbouring layers that share device, dtype and shapes into one
+        ``SlotGroup`` (all layers, on one device), so the run evicts at once. Runs are
+        maximal, so an existing group always lies inside one run.
+
+        A cache that never evicts stays unstacked: it would gain nothing, and every time
+        it grows a stacked group holds the old and the new buffers of all layers at once.
+        """
+        layers = self.layers
+        if self.policy.capacity is None or len(layers[0].group or ()) == len(layers):
+            return
+
+        def alike(layer: H2OLayer) -> tuple | None:
+            if not layer.is_initialized:
+                return None
+            keys, values = layer.keys, layer.values
+            return (keys.device, keys.dtype, keys.shape[:2], keys.shape[3:], values.shape[3:])
+
+        start = 0
+        for end in range(1, len(layers) + 1):
+            if end < len(layers) and alike(layers[end]) == alike(layers[start]):
+                continue
+            run = layers[start:end]
+            if alike(run[0]) is not None and run[0].group.layers != run:
+                SlotGroup.stack(run)
+            start = end
+
+    def _evict_all(self) -> None:
+        groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
+        for group in groups.values():
+            group.evict()
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.group = None  # every layer is emptied: nothing to hand back to the others
+        super().reset()
+
+    def protect(self, start: int, end: int) -> None:
+        """Never evict tokens at absolute positions ``[start, end)``.
+
+        Future positions are pinned as they arrive; past ones only if every layer and head
+        still holds them (an evicted token cannot be brought back): else ValueError, and
+        nothing changes.
+        """
+        if not 0 <= start <= end:
+            raise ValueError(f"protected span [{start}, {end}) is not a valid range")
+        lost = self.evicted(start, end)
+        if lost:
+            raise ValueError(f"cannot protect [{start}, {end}): {len(lost)} of those tokens were "
+                             f"already evicted (first at position {lost[0]})")
+        self.spans.ranges.append((start, end))
+        self._refresh_pinned()
+
+    def unprotect(self, start: int, end: int) -> None:
+        """Undo one ``protect(start, end)``: its tokens become ordinary eviction candidates
+        again, with the scores they accumulated meanwhile, unless another span covers them.
+
+        The cache is brought back to its budget at once, so it may evict them right here.
+        """
+        try:
+            self.spans.ranges.remove((start, end))
+        except ValueError:
+            raise ValueError(f"[{start}, {end}) is not a protected span; protected: "
+                             f"{self.spans.ranges}") from None
+        self._refresh_pinned()
+        with torch.inference_mode():
+            self._evict_all()
+
+    def evicted(self, start: int, end: int) -> list[int]:
+        """The positions in ``[start, end)``, among the tokens seen so far, that some layer,
+        batch row or KV head no longer holds."""
+        past_end = min(end, self.seen)
+        if start >= past_end:
+            return []
+        everywhere = torch.ones(past_end - start, dtype=torch.bool)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            positions = layer.positions
+            inside = positions[(positions >= start) & (positions < past_end)] - start
+            # A head holds a position at most once, so it is held everywhere iff it is
+            # counted once per batch row and KV head.
+            counts = torch.bincount(inside, minlength=past_end - start).cpu()
+            everywhere &= counts == positions.shape[0] * positions.shape[1]
+        return (start + (~everywhere).nonzero().flatten()).tolist()
+
+    def _refresh_pinned(self) -> None:
+        # Sessions feed in inference mode, so the buffers may be inference tensors.
+        with torch.inference_mode():
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.pinned.copy_(self.spans.contains(layer.positions))
+
+    def stats(self) -> CacheStats:
+        capacity = self.policy.capacity
+        first = self.layers[0]
+        pinned = first.pinned_slots if first.is_initialized else 0
+        layers = [
+            LayerStats(
+                held=layer.held,
+                positions=layer.positions.sort(dim=-1).values
+                if layer.is_initialized
+                else torch.empty(0, 0, 0, dtype=torch.long),
+            )
+            for layer in self.layers
+        ]
+        kv_bytes = sum(layer.allocated_bytes() for layer in self.layers)
+        held_bytes = sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+            for t in layer.held_slots().values()
+        )
+        return CacheStats(
+            policy=self.policy.describe(),
+            seen=self.seen,
+            held=first.held,
+            pinned=pinned,
+            budget=None if capacity is None else capacity + pinned,
+            kv_bytes=kv_bytes,
+            held_bytes=held_bytes,
+            layers=layers,
+        )

@@ -1,0 +1,106 @@
+"""Saving and resuming an ``H2OCache`` exactly: its held slots, scores and counters.
+
+A state is a dict of CPU tensors named ``layers.<i>.<buffer>`` (the held slots of each
+layer, in slot order) and a JSON-able dict: the cache's settings, its protected spans and
+per-layer counters. A cache resumed from it continues bit for bit like the original.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_COUNTERS = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
+_DTYPES = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool,
+           "pinned": torch.bool, "rotated_at": torch.long}
+
+
+class CacheStateMixin:
+    """``state``/``load_state`` for ``H2OCache``, through its public members (``layers``,
+    ``policy``, ``rolling``, ``spans``) and its layers' (``held_slots``, ``restore``, ...)."""
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a fresh cache needs to continue exactly where this one is: tensors named
+        ``layers.<i>.<buffer>`` (CPU, held slots only) and a JSON-able dict of the policy,
+        rolling, protected spans and per-layer counters. Load it with ``load_state``."""
+        tensors: dict[str, torch.Tensor] = {}
+        layers = []
+        for index, layer in enumerate(self.layers):
+            initialized = layer.is_initialized
+            tensors |= {f"layers.{index}.{name}": t.detach().cpu().contiguous()
+                        for name, t in layer.held_slots().items()}
+            layers.append({"initialized": initialized, "seen": layer.seen, "held": layer.held,
+                           "size": layer.size if initialized else 0, "has_padding": layer.has_padding})
+        info = {"settings": self.settings(), "protected": [list(span) for span in self.spans.ranges],
+                "layers": layers}
+        return tensors, info
+
+    def settings(self) -> dict[str, int | str | bool]:
+        """Policy, budgets and rolling: what a saved state must match to be loaded."""
+        return self.policy.describe() | {"rolling": self.rolling}
+
+    def check_settings(self, saved: dict, source: str = "the saved state") -> None:
+        """ValueError naming the first setting where ``saved`` differs from this cache's."""
+        ours = self.settings()
+        for key in ["policy", *sorted((set(ours) | set(saved)) - {"policy"})]:
+            if ours.get(key) != saved.get(key):
+                raise ValueError(f"cache.{key} = {saved.get(key)!r} in {source}, "
+                                 f"{ours.get(key)!r} in this cache")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], info: dict, device: torch.device | str = "cpu") -> None:
+        """Replace everything this cache holds with a ``state()``, onto ``device``.
+
+        The state must come from a cache with the same ``settings()`` (else ValueError
+        naming the setting, the state's value and this cache's); everything is checked
+        before anything changes, so a refused state leaves this cache as it was.
+        """
+        self.check_settings(info["settings"])
+        if len(info["layers"]) != len(self.layers):
+            raise ValueError(f"the saved state has {len(info['layers'])} layers, this cache {len(self.layers)}")
+        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        for name, t in tensors.items():
+            match = re.fullmatch(r"layers\.(\d+)\.(\w+)", name)
+            if match is None or int(match[1]) >= len(self.layers):
+                raise ValueError(f"unexpected tensor {name!r} in the saved state")
+            per_layer[int(match[1])][match[2]] = t
+        for index, (slots, counters) in enumerate(zip(per_layer, info["layers"])):
+            _check_layer(slots, counters, self.rolling, f"layer {index}")
+        seen = {counters["seen"] for counters in info["layers"]}
+        if len(seen) != 1:
+            raise ValueError(f"the saved layers have seen different token counts {sorted(seen)}")
+        spans = [(start, end) for start, end in info["protected"]]
+        if not all(type(x) is int and x >= 0 for span in spans for x in span):
+            raise ValueError(f"protected spans {info['protected']!r} must be pairs of integers >= 0")
+        for layer, slots, counters in zip(self.layers, per_layer, info["layers"]):
+            if counters["initialized"]:
+                layer.restore(slots, counters["size"], counters["seen"], counters["has_padding"], device)
+            else:
+                layer.reset()
+        self.spans.ranges[:] = spans  # in place: the layers share this object
+
+
+def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, where: str) -> None:
+    """Raise ValueError naming ``where`` if a layer could not be restored from this."""
+    for key, kind in _COUNTERS.items():
+        if type(counters.get(key)) is not kind:
+            raise ValueError(f"{where}: {key} = {counters.get(key)!r} must be {kind.__name__}")
+    if not counters["initialized"]:
+        if slots or counters["seen"] or counters["held"]:
+            raise ValueError(f"{where}: an empty layer must hold no tokens")
+        return
+    names = {"keys", "values", "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
+    if set(slots) != names:
+        raise ValueError(f"{where}: tensors {sorted(slots)}, expected {sorted(names)}")
+    held, size, seen = counters["held"], counters["size"], counters["seen"]
+    if not 0 <= held <= min(size, seen):
+        raise ValueError(f"{where}: held = {held} must be within 0..min(size {size}, seen {seen})")
+    keys = slots["keys"]
+    if keys.dim() != 4 or keys.shape[2] != held or slots["values"].shape[:3] != keys.shape[:3]:
+        raise ValueError(f"{where}: keys/values of shape {tuple(keys.shape)}/"
+                         f"{tuple(slots['values'].shape)} do not hold {held} slots")
+    for name in names - {"keys", "values"}:
+        t = slots[name]
+        if t.shape != keys.shape[:3] or t.dtype != _DTYPES[name]:
+            raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected "
+                             f"{_DTYPES[name]} {tuple(keys.shape[:3])}")
