@@ -200,7 +200,7 @@ def load_session(
     try:
         with refused_as(SnapshotError):
             tokens, fed = check_tokens(tensors.pop("tokens", None), manifest.get("fed"), vocab,
-                                       _most_tokens(manifest, limits), limits)
+                                       _most_tokens(manifest, limits), limits, manifest.get("kind") == "chat")
             check_cache_state(cache_state, tensors, fed, len(tokens), cache, model, prefill_chunk_size)
             session = _new_session(manifest, model, tokenizer, cache, tokens,
                                    dict(prefill_chunk_size=prefill_chunk_size, limits=limits))

@@ -183,7 +183,9 @@ class FileCase:
 
 
 def case(name, field, message, kind="chat", **edits) -> FileCase:
-    return FileCase(name, lambda files, folder: edited(getattr(files, kind), folder, name, **edits), field, message)
+    def build(files, folder):
+        return edited(getattr(files, kind), folder, name, **edits)
+    return FileCase(name, build, field, message)
 
 
 M, T = f"{MANIFEST}: ", f"{TENSORS}: "
@@ -202,6 +204,9 @@ FILE_CASES = [
     case("2,000,000 unfed story tokens", T + "tokens past fed (unfed)",
          r"\(unfed\) = 20000\d\d: must be an integer from 0 to 400,064 \(unfed tokens are read on the next send",
          kind="story", tensors=_more_tokens(2_000_000)),
+    case("a story that read nothing, 2,000,000 tokens on", T + "tokens past fed (unfed)",
+         r"\(unfed\) = 20000\d\d: must be an integer from 0 to 400,064", kind="story",
+         manifest=_set(["fed"], 0), tensors=_more_tokens(2_000_000)),
     case("NaN keys", T + "layers.0.keys", "layers.0.keys holds NaN or infinite values",
          tensors=_tensor("layers.0.keys", lambda t: torch.full_like(t, float("nan")))),
     FileCase("one-byte edit of a message", _one_byte_edit, CHECKSUM, "corrupted or was edited"),
@@ -239,7 +244,8 @@ FILE_CASES = [
     case("5,000-digit fed", M + "fed", "fed = <a 5,000-digit number>: must be an integer from 0 to",
          manifest=_set(["fed"], "HUGE"), raw=lambda data: data.replace(b'"HUGE"', HUGE.encode())),
     case("5,000-digit budget", "session file", r"cache.heavy = <a 5,000-digit number> in the file, 16 in this",
-         manifest=_set(["cache", "settings", "heavy"], "HUGE"), raw=lambda data: data.replace(b'"HUGE"', HUGE.encode())),
+         manifest=_set(["cache", "settings", "heavy"], "HUGE"),
+         raw=lambda data: data.replace(b'"HUGE"', HUGE.encode())),
     case("NaN as a number", "manifest.json", r"invalid JSON \(NaN is not a JSON number\)",
          manifest=_set(["fed"], "NAN"), raw=lambda data: data.replace(b'"NAN"', b"NaN")),
     case("lone surrogate in a message", M + "messages",
@@ -260,7 +266,8 @@ FILE_CASES = [
          manifest=_messages(*[{"role": "user", "content": "x" * 99_999}] * 11)),
     # Not a session file of ours.
     case("model entry not an object", M + "model", "lacks the model's fingerprint", manifest=_set(["model"], [1])),
-    FileCase("an extra member", lambda files, folder: zipped(folder, "extra", members(files.chat) | {"run.py": b"1"}),
+    FileCase("an extra member",
+             lambda files, folder: zipped(folder, "extra", members(files.chat) | {"run.py": b"1"}),
              "session file", r"not a session file: it holds \['cache.safetensors', 'manifest.json', 'run.py'"),
     FileCase("a version 1 file", lambda files, folder: zipped(
         folder, "v1", {k: v for k, v in members(files.chat).items() if k != CHECKSUM}),
@@ -376,7 +383,8 @@ API_CASES = [
      "the conversation with this message and its reply",
      r"holds 4 messages; the limit is 3 \(server.max_conversation_messages\)"),
     ("a turn past the characters", _send_with(InputLimits(message_chars=100, conversation_chars=100), "x" * 100),
-     "the conversation with this message", r"holds 1\d\d characters; the limit is 100 \(server.max_conversation_chars\)"),
+     "the conversation with this message",
+     r"holds 1\d\d characters; the limit is 100 \(server.max_conversation_chars\)"),
     ("a message over the limit", _send_with(InputLimits(), "x" * 100_001),
      "the message", r"the message is 100,001 characters long; the limit is 100,000"),
     ("a story turn past the characters", lambda smollm, files: StorySession(

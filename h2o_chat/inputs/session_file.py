@@ -25,30 +25,33 @@ _TEMPLATE_TOKENS = 64
 _MAX_BYTES_PER_CHAR = 4  # UTF-8; every token decodes to at least one byte
 
 
-def max_message_tokens(limits: InputLimits) -> int:
-    """The most tokens one message within ``limits`` can take, template included."""
-    return _MAX_BYTES_PER_CHAR * limits.message_chars + _TEMPLATE_TOKENS
+def max_unfed_tokens(limits: InputLimits) -> int:
+    """The most tokens a session within ``limits`` leaves unfed once its cache has read
+    anything: one message (template included), or a system prompt or bible not yet read."""
+    return _MAX_BYTES_PER_CHAR * max(limits.message_chars, limits.system_prompt_chars) + _TEMPLATE_TOKENS
 
 
 def max_story_tokens(limits: InputLimits) -> int:
     return _MAX_BYTES_PER_CHAR * limits.conversation_chars
 
 
-def check_tokens(tokens: Any, fed: Any, vocab: int, most: int, limits: InputLimits) -> tuple[list[int], int]:
+def check_tokens(tokens: Any, fed: Any, vocab: int, most: int, limits: InputLimits,
+                 history: bool) -> tuple[list[int], int]:
     """The conversation's token ids and how many of them the cache has seen, checked on
     the tensor (count, range) before it becomes a Python list of ``len`` ints.
 
     ``most`` bounds the count (from the conversation's text). The tokens past ``fed``
     are fed on the next send, like a message, so they obey the message limit; only a
-    session whose cache has read nothing yet (a chat started on a history) has more.
+    chat (``history``) whose cache has read nothing yet, started on a history, has
+    more: its whole conversation, within ``most``.
     """
     field = f"{TENSORS}: tokens"
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype not in (torch.int32, torch.int64):
         raise InputError(f"{field} must be a 1-D tensor of int32 or int64 token ids", field)
     count = require_int(tokens.numel(), f"{field} (count)", 0, most, "what the conversation's text can take")
     fed = require_int(fed, f"{MANIFEST}: fed", 0, count, "the tokens in the file")
-    if fed:
-        require_int(count - fed, f"{field} past fed (unfed)", 0, max_message_tokens(limits),
+    if fed or not history:
+        require_int(count - fed, f"{field} past fed (unfed)", 0, max_unfed_tokens(limits),
                     "unfed tokens are read on the next send, like a message: "
                     f"{limits.setting('message_chars')}")
     if count and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
@@ -124,7 +127,7 @@ def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, shape:
         if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise InputError(f"{prefix}.{name} holds NaN or infinite values", f"{prefix}.{name}")
     positions = tensors.get(f"layers.{index}.positions")
-    if positions is not None and positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < fed):
+    if positions is not None and positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < fed:
         raise InputError(f"{prefix}.positions must be from 0 to {fed - 1} (the tokens fed)", f"{prefix}.positions")
     flags = tensors.get(f"layers.{index}.pinned")
     if flags is not None and flags.dtype == torch.bool and flags.dim() == 3:
