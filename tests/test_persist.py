@@ -406,3 +406,21 @@ def test_story_panel_saves_and_resumes(views):
     assert new.continues(update[story.bible], update[story.story] + " More.")  # no re-read needed
     assert new.session.tokens == state.session.tokens and new.session.bible_tokens == state.session.bible_tokens
     assert_same_cache(new.session.cache, state.session.cache)
+
+
+def test_the_pages_refuse_hostile_input_with_the_limit(views, tmp_path):
+    import gradio as gr
+
+    settings, chat, story = views
+    values = inputs(settings, chat, None) | {chat.text: "Hi", chat.system_prompt: "x" * 25_000,
+                                             chat.pin_message: False}
+    with pytest.raises(gr.Error, match=r"the system prompt is 25,000 characters long; the limit is 20,000"):
+        next(chat.on_send(values))
+    values = inputs(settings, story, None) | {story.bible: "b" * 25_000, story.story: "Once", story.tokens: 8}
+    with pytest.raises(gr.Error, match=r"the story bible is 25,002 characters long; the limit is 20,000"):
+        next(story.on_continue(values))
+    upload = tmp_path / "many.json"
+    upload.write_text(Conversation(None, [{"role": "user", "content": "x"}] * 10_001).to_json())
+    with pytest.warns(UserWarning, match="messages holds 10,001 messages; the limit is 10,000"):
+        update = chat.files.on_import(inputs(settings, chat, None) | {chat.files.import_json: str(upload)})
+    assert chat.state not in update and update[chat.files.status].startswith("**Not loaded:**")
