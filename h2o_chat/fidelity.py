@@ -1,7 +1,7 @@
 """What a bounded cache forgot: a full-cache shadow fed the same tokens, compared per step.
 
 A ``FidelityProbe`` attaches to a session as its observer. After each forward pass of the
-session, still under the model lock, it feeds the same tokens to its own full cache
+session, before its next, it feeds the same tokens to its own full cache
 (teacher forcing: the shadow never samples, so both read exactly the same conversation,
 and the same model weights serve both) and records, for the token the session predicts
 next, whether the two caches' most likely tokens agree, KL(full || bounded) of their
@@ -112,8 +112,7 @@ class FidelityProbe:
             self.session.observer = None
 
     def observe(self, tokens: list[int], start: int, end: int, logits: torch.Tensor) -> None:
-        """The session just fed ``tokens[start:end]`` and predicted from ``logits``; the
-        caller holds the model lock."""
+        """The session just fed ``tokens[start:end]`` and predicted from ``logits``."""
         self._forget_changed(tokens)
         with torch.inference_mode():
             self._catch_up(tokens, start)
@@ -130,10 +129,10 @@ class FidelityProbe:
 
     def _feed(self, ids: Sequence[int]) -> torch.Tensor:
         chunk = torch.tensor([list(ids)], device=self.session.model.device)
-        out = self.session.model(input_ids=chunk, past_key_values=self.shadow, use_cache=True,
-                                 logits_to_keep=1)
+        # Through the session's scheduler: the shadow's steps batch with everyone's.
+        logits = self.session.runner.forward(self.shadow, chunk)
         self.shadow_tokens += ids
-        return out.logits[0, -1]
+        return logits
 
     def _forget_changed(self, tokens: list[int]) -> None:
         """Drop the points predicted from tokens the session has since taken back."""

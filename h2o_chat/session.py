@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,17 +25,7 @@ from .config import CacheConfig, GenerationConfig, check_field
 from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
                      check_system_prompt)
 from .pin_text import decode, find_span, shorten
-
-_model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_model_locks_guard = threading.Lock()
-
-
-def _model_lock(model) -> threading.Lock:
-    """One lock per model: sessions in several threads take turns per forward pass, so
-    their tokens interleave fairly without oversubscribing the CPU threads."""
-    with _model_locks_guard:
-        return _model_locks.setdefault(model, threading.Lock())
-
+from .scheduler import BatchScheduler, TakeTurns, scheduler_for
 
 @dataclass
 class Sampling:
@@ -100,6 +89,7 @@ class Session:
         cache: H2OCache | None = None,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         limits: InputLimits | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
@@ -111,7 +101,9 @@ class Session:
         self.fed = 0
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()
-        self._model_lock = _model_lock(model)
+        # Every forward pass goes through the model's one scheduler, which batches the
+        # decode steps of all sessions on the model (TakeTurns: one pass at a time).
+        self.runner = runner or scheduler_for(model)
         self.reply: list[int] = []  # tokens generated in the current or last turn
         self._decode_tokens_per_s = 0.0
         self._prefill_seconds = 0.0
@@ -119,9 +111,9 @@ class Session:
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
         self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
         self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans
-        # Called after every forward pass, still holding the model lock, with the token
-        # list, the span [start, end) of it just fed and the logits of its last token;
-        # e.g. a fidelity probe feeding the same tokens to a second cache.
+        # Called after every forward pass, before the next, with the token list, the
+        # span [start, end) of it just fed and the logits of its last token; e.g. a
+        # fidelity probe feeding the same tokens to a second cache.
         self.observer: Callable[[list[int], int, int, torch.Tensor], None] | None = None
 
     # ---- public ---------------------------------------------------------------------------
@@ -131,6 +123,14 @@ class Session:
         being generated, or one chunk of the prefill (the rest stays unfed, read on the
         next send)."""
         self._stop.set()
+
+    def prefill(self) -> None:
+        """Feed the tokens the cache has not seen yet (history given to the constructor,
+        a resumed file's unfed tokens) now rather than at the next send."""
+        with self.between_turns("prefill"):
+            self._stop.clear()  # a Stop of the last turn must not cut this short; a new one may
+            if self.fed < len(self.tokens):
+                self._feed_unfed()
 
     def stats(self) -> SessionStats:
         return SessionStats(
@@ -228,15 +228,13 @@ class Session:
             if self._stop.is_set():
                 return None  # consistent as it stands: the cache saw tokens[:fed]
             try:
-                with self._model_lock, torch.inference_mode():
-                    out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-                    if self.observer is not None:
-                        self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], out.logits[0, -1])
+                logits = self.runner.forward(self.cache, chunk)
+                if self.observer is not None:
+                    self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], logits)
             except BaseException:
                 self._rebuild_cache(self.fed)
                 raise
             self.fed += chunk.shape[1]
-            logits = out.logits[0, -1]
         return logits
 
     def _rebuild_cache(self, upto: int) -> None:
@@ -277,7 +275,8 @@ class Session:
             if pin is not None:
                 # Not fed yet, so nothing of it can have been evicted: this always works.
                 self.cache.protect(length + pin[0], length + pin[1])
-            yield from self._decode_loop(sampling)
+            with self.runner.turn():
+                yield from self._decode_loop(sampling)
         except BaseException:
             if not generated:
                 self._take_back(length)  # nothing came of the new tokens: forget them
@@ -335,8 +334,9 @@ class ChatSession(Session):
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
         limits: InputLimits | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         system_prompt, history = check_conversation(system_prompt, history, self.limits)
@@ -460,8 +460,9 @@ class StorySession(Session):
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         limits: InputLimits | None = None,
+        runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
         check_system_prompt(bible, self.limits, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.

@@ -1,6 +1,7 @@
 """Gauge data, per-turn series, divergence and stream pacing: plain functions of stats."""
 
 import re
+import threading
 from dataclasses import replace
 
 from h2o_chat import ChatSession, make_cache
@@ -117,11 +118,15 @@ def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update()
 
 
 def test_interleaved_streams_alternate_and_time_each_side():
-    clock = Clock()
+    # Each stream steps in a thread of its own, so each thread keeps its own time.
+    times = threading.local()
+
+    def clock():
+        return getattr(times, "now", 0.0)
 
     def stream(name, n, cost):
         for i in range(n):
-            clock.now += cost
+            times.now = clock() + cost
             yield f"{name}{i}"
 
     steps = Interleaved({"a": stream("a", 3, 0.25), "b": stream("b", 2, 1.0)}, clock)

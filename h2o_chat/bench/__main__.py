@@ -1,7 +1,8 @@
 """``python -m h2o_chat.bench [COMPARISON ...] [--quick | --full] [--out DIR] ...``
 
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
-chat (5), rolling (6: absolute vs rolled positions past the trained context), or all. Each comparison runs in one process on the same inputs for every policy
+chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
+many conversations at once, batched or taking turns), or all. Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
 """
@@ -21,17 +22,19 @@ import torch
 
 from h2o_chat.loading import load_model
 
-from . import data, long_chat, report, rolling, speed, streaming, xsum
+from . import data, long_chat, report, rolling, serve, speed, streaming, xsum
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the issue's protocol.
 PRESETS = {
     "quick": dict(passages=2, budgets="0.2", tune_budgets="0.2", articles=10, contexts="512,1024,2048,4096",
                   decode_tokens=16, repeats=3, prefill_repeats=1, questions=20, max_new_tokens=16,
-                  tokens=10240),
+                  tokens=10240, serve_configs="4x2048,8x2048,4x4096,8x4096", serve_turns=1),
     "full": dict(passages=4, budgets="0.1,0.2,0.5,64,128,256,512", tune_budgets="0.1,0.2", articles=100,
                  contexts="512,1024,2048,4096,8192", decode_tokens=64, repeats=5, prefill_repeats=2,
-                 questions=80, max_new_tokens=64, tokens=16384),
+                 questions=80, max_new_tokens=64, tokens=16384,
+                 serve_configs=",".join(f"{n}x{h}" for h in (512, 2048, 4096) for n in (1, 2, 4, 8)),
+                 serve_turns=2),
 }
 
 
@@ -68,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", default=None,
                    help="extra H2O variant compared in streaming/continuation/xsum/chat, e.g. "
                         "'mean:0.25:4' (norm:heavy share:sink) or 'decay0.99:0.5:4'")
+    p.add_argument("--serve-configs", help="serve: comma list of CONVERSATIONSxHISTORY, e.g. 4x2048,8x2048")
+    p.add_argument("--serve-turns", type=int, help="serve: MT-Bench turns per conversation (1 or 2)")
+    p.add_argument("--serve-tokens", type=int, default=64, help="serve: reply length cap (default 64)")
+    p.add_argument("--paste-tokens", type=int, default=20000,
+                   help="serve: tokens of the long paste in the latency test (0: no latency test)")
+    p.add_argument("--samples", type=int, default=8, help="serve: short messages timed each way")
     p.add_argument("--threads", type=int, help="torch threads (default: the app's, one per physical core)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.mode].items():
@@ -197,6 +206,13 @@ TABLE: dict[str, Comparison] = {
         lambda b: rolling.run(b.model, b.tokenizer, b.args.tokens, budget=b.args.rolling_budget,
                               chunk=b.args.chunk, log=log),
         report.rolling_plot, report.rolling_markdown),
+    "serve": _one_page(
+        "serve", "7. Serving: many conversations at once",
+        lambda b: serve.run(b.model, b.tokenizer,
+                            [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",")],
+                            b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
+                            log=log),
+        serve.plot, serve.markdown),
 }
 COMPARISONS = list(TABLE)
 

@@ -53,9 +53,18 @@ def hand_over(layer: AttentionClient | None) -> None:
     _pending.layer = layer
 
 
-def awaiting_attention() -> AttentionClient | None:
-    """The layer handed over in this thread and not yet served."""
+def awaiting_attention() -> AttentionClient | Rows | None:
+    """The layer (or rows of layers) handed over in this thread and not yet served."""
     return getattr(_pending, "layer", None)
+
+
+class Rows:
+    """One attention call serving several conversations' own caches: batch row r is
+    attention over ``rows[r]``'s layer, with that layer's keys and values. Rows hold
+    different numbers of slots, so each row runs as it would alone (``engine.rows``)."""
+
+    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]]) -> None:
+        self.rows = rows
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -158,6 +167,17 @@ def h2o_attention(
     if layer is None:
         # No H2O cache in this call (e.g. a forward without past_key_values): plain sdpa.
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
+    if isinstance(layer, Rows):
+        outputs = [_attend(row, query[r : r + 1], keys, values, None, scaling)[0]
+                   for r, (row, keys, values) in enumerate(layer.rows)]
+        return torch.cat(outputs), None
+    return _attend(layer, query, key, value, attention_mask, scaling)
+
+
+def _attend(layer: AttentionClient, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query`` over one layer's held slots ``key``/``value``; the layer
+    gets the probabilities it wants, then scores and evicts."""
     query_len = query.shape[2]
     # The last query row sees every real new token, so it tells which are padding.
     new_valid = None if attention_mask is None else attention_mask[:, 0, -1, -query_len:]

@@ -71,6 +71,7 @@ class H2OLayer(CacheLayerMixin):
         self.rope = rope
         self.group: SlotGroup | None = None
         self.closes_group = False  # the last member: its attention call evicts the group
+        self.eviction_held = False  # see H2OCache.hold_eviction
         self._query_shift = 0  # rolling: positions to move this call's queries by
         self.seen = 0
         self._held = 0
@@ -152,6 +153,7 @@ class H2OLayer(CacheLayerMixin):
         self.is_initialized = False
         self.has_padding = False
         self.seen = self.held = self._query_shift = 0
+        self.eviction_held = False
         if awaiting_attention() is self:
             hand_over(None)
 
@@ -194,7 +196,7 @@ class H2OLayer(CacheLayerMixin):
             if self.attention_observer is not None:
                 self.attention_observer(probabilities)
             self.policy.accumulate(self.scores, probabilities.sum(dim=(2, 3)))
-        if self.closes_group:
+        if self.closes_group and not self.eviction_held:
             self.group.evict()
 
     def _mark_padding(self, new_valid: torch.Tensor) -> None:
@@ -352,6 +354,15 @@ class H2OCache(CacheStateMixin, Cache):
         groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
         for group in groups.values():
             group.evict()
+
+    def hold_eviction(self, hold: bool) -> None:
+        """While held, forward passes score but do not evict: one prefill chunk fed in
+        several passes then keeps exactly what one pass would (every query sees the same
+        slots, and the scores add up to the same). Releasing evicts down to budget."""
+        for layer in self.layers:
+            layer.eviction_held = hold
+        if not hold:
+            self._evict_all()
 
     def reset(self) -> None:
         for layer in self.layers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable, Generator, Iterator, Mapping
 
 import gradio as gr
@@ -29,9 +30,11 @@ class Throttle:
 
 
 class Interleaved:
-    """Several text streams advanced one chunk each in turn, so they stream together in
-    one generator. ``busy[key]`` is the time spent inside that stream's own steps, which
-    gives each its real speed although they share the CPU."""
+    """Several text streams advanced one chunk each per round, each in a thread of its
+    own, so their forward passes meet in the model's scheduler and run as one batch.
+    Chunks come out once the whole round is done: between rounds every stream waits
+    between two tokens, so its session can be read safely. ``busy[key]`` is the time
+    spent inside that stream's own steps, which gives each side its speed."""
 
     def __init__(self, streams: Mapping[str, Generator[str, None, None]],
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -40,22 +43,30 @@ class Interleaved:
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         try:
-            while self._streams:
-                for key, stream in list(self._streams.items()):
-                    started = self.clock()
-                    try:
-                        chunk = next(stream)
-                    except StopIteration:
-                        del self._streams[key]
-                        continue
-                    finally:
-                        self.busy[key] += self.clock() - started
-                    yield key, chunk
+            with ThreadPoolExecutor(max_workers=len(self._streams) or 1,
+                                    thread_name_prefix="h2o-chat-stream") as pool:
+                while self._streams:
+                    steps = {key: pool.submit(self._step, key) for key in self._streams}
+                    wait(steps.values())
+                    for key, step in steps.items():
+                        chunk = step.result()  # a stream's failure ends the round here
+                        if chunk is None:
+                            del self._streams[key]
+                        else:
+                            yield key, chunk
         finally:
-            # Abandoned midway (client gone): end each turn now, so its session records
-            # the partial reply and frees its turn lock.
+            # Abandoned midway (client gone) or failed: end each turn now, so its session
+            # records the partial reply and frees its turn lock.
             for stream in self._streams.values():
                 stream.close()
+
+    def _step(self, key: str) -> str | None:
+        """The next chunk of one stream, None once it has ended."""
+        started = self.clock()
+        try:
+            return next(self._streams[key], None)
+        finally:
+            self.busy[key] += self.clock() - started
 
 
 def stream_turn(

@@ -1,0 +1,235 @@
+"""Batched decoding: conversations decoding together give what each gives alone."""
+
+import threading
+
+import pytest
+import torch
+
+from h2o_chat import ChatSession, make_cache
+from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
+
+from .helpers import GREEDY, assert_consistent, fail_next_update
+
+# Four conversations unlike each other in every way a row can differ.
+ROWS = [
+    dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=40, pin=(3, 9)),
+    dict(policy="full", prompt=13, pin=None),
+    dict(policy="sink", recent=10, sink=4, prompt=27, pin=None),
+    dict(policy="h2o", heavy=16, recent=8, sink=0, prompt=9, pin=(0, 4), rolling=True, score_norm="mean"),
+]
+
+
+def new_cache(model, row):
+    budgets = {k: v for k, v in row.items() if k not in ("policy", "prompt", "pin", "rolling")}
+    cache = make_cache(model, row["policy"], rolling=row.get("rolling", False), **budgets)
+    if row["pin"]:
+        cache.protect(*row["pin"])
+    return cache
+
+
+def kept(cache):
+    return [layer.positions.tolist() for layer in cache.stats().layers]
+
+
+def prompts(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, row["prompt"]), generator=generator) for row in ROWS]
+
+
+def decode_alone(model, row, prompt, steps):
+    cache = new_cache(model, row)
+    with torch.inference_mode():
+        logits = forward_one(model, cache, prompt)
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = forward_one(model, cache, torch.tensor([[tokens[-1]]]))
+    return tokens, kept(cache)
+
+
+def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model):
+    steps = 30
+    caches = [new_cache(tiny_model, row) for row in ROWS]
+    with torch.inference_mode():
+        logits = [forward_one(tiny_model, cache, prompt) for cache, prompt in zip(caches, prompts())]
+        tokens = [[] for _ in ROWS]
+        for _ in range(steps):
+            for row, row_logits in enumerate(logits):
+                tokens[row].append(int(row_logits.argmax()))
+            ids = torch.tensor([[t[-1]] for t in tokens])
+            logits = forward_rows(tiny_model, caches, ids)
+    for row, prompt in enumerate(prompts()):
+        alone_tokens, alone_kept = decode_alone(tiny_model, ROWS[row], prompt, steps)
+        assert tokens[row] == alone_tokens, f"row {row}"
+        assert kept(caches[row]) == alone_kept, f"row {row}"
+    held = [c.stats().held for c in caches]
+    assert len(set(held)) == len(held)  # the rows really held different numbers of slots
+
+
+def test_rows_join_and_leave_between_steps(tiny_model):
+    """Row 1 joins after 5 steps and row 2 leaves after 10: each still decodes as alone."""
+    caches = [new_cache(tiny_model, row) for row in ROWS[:3]]
+    last, tokens = {}, {0: [], 1: [], 2: []}
+    with torch.inference_mode():
+        for row in (0, 2):
+            last[row] = forward_one(tiny_model, caches[row], prompts()[row])
+        for step in range(20):
+            if step == 5:
+                last[1] = forward_one(tiny_model, caches[1], prompts()[1])
+            if step == 10:
+                del last[2]
+            rows = sorted(last)
+            for row in rows:
+                tokens[row].append(int(last[row].argmax()))
+            out = forward_rows(tiny_model, [caches[r] for r in rows], torch.tensor([[tokens[r][-1]] for r in rows]))
+            last = dict(zip(rows, out))
+    for row, steps in ((0, 20), (1, 15), (2, 10)):
+        assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, ROWS[row], prompts()[row], steps)
+
+
+@pytest.mark.parametrize("row", [0, 2, 3])
+def test_a_chunk_fed_in_pieces_with_eviction_held_keeps_what_one_pass_keeps(tiny_model, row):
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    whole, pieces = new_cache(tiny_model, ROWS[row]), new_cache(tiny_model, ROWS[row])
+    with torch.inference_mode():
+        forward_one(tiny_model, whole, ids[:, :30])
+        forward_one(tiny_model, pieces, ids[:, :30])
+        expected = forward_one(tiny_model, whole, ids[:, 30:])  # one pass of 60 tokens
+        pieces.hold_eviction(True)
+        for start in range(30, 90, 8):
+            logits = forward_one(tiny_model, pieces, ids[:, start : start + 8])
+        pieces.hold_eviction(False)
+    assert torch.allclose(logits, expected, atol=1e-5)
+    assert kept(pieces) == kept(whole)
+
+
+def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
+    model, tokenizer = smollm
+    settings = [dict(policy="h2o", heavy=24, recent=24, sink=4), dict(policy="full"),
+                dict(policy="sink", recent=40, sink=4), dict(policy="h2o", heavy=40, recent=16, sink=0)]
+    messages = ["Name three colours.", "What is the capital of France? Explain briefly why.",
+                "Write a haiku about rain.", "Count from one to ten."]
+
+    def chat(runner, index):
+        session = ChatSession(model, tokenizer, cache=make_cache(model, **settings[index]), runner=runner)
+        reply = "".join(session.send(messages[index], pin=index == 3, **GREEDY))
+        return session, reply
+
+    alone = [chat(TakeTurns(model), i) for i in range(4)]
+    scheduler = BatchScheduler(model)
+    together = [None] * 4
+
+    def run(index):
+        together[index] = chat(scheduler, index)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert scheduler.batched_rows > 0  # decode steps really ran as batches
+    for (session, reply), (alone_session, alone_reply) in zip(together, alone):
+        assert reply == alone_reply
+        assert session.tokens == alone_session.tokens
+        assert kept(session.cache) == kept(alone_session.cache)
+        assert_consistent(session)
+
+
+def test_stopping_one_row_leaves_the_others_as_alone(smollm):
+    model, tokenizer = smollm
+    scheduler = BatchScheduler(model)
+    sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+                            runner=scheduler) for _ in range(3)]
+    long = dict(temperature=0, max_new_tokens=40)
+    replies = [None] * 3
+
+    def run(index):
+        stream = sessions[index].send("Count from one to one hundred in words.", **long)
+        received = []
+        for chunk in stream:
+            received.append(chunk)
+            if index == 1 and len(received) == 3:
+                sessions[1].stop()
+        replies[index] = "".join(received)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    alone = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+                        runner=TakeTurns(model))
+    expected = "".join(alone.send("Count from one to one hundred in words.", **long))
+    assert replies[0] == replies[2] == expected
+    assert len(sessions[1].reply) < 8 and expected.startswith(replies[1])
+    for session in sessions:
+        assert_consistent(session)
+
+
+def test_a_failed_batched_pass_reaches_every_row_and_each_stays_usable(smollm):
+    model, tokenizer = smollm
+    # A long gather: every decode step waits for both sessions, so the step that fails
+    # is surely a batch of the two.
+    scheduler = BatchScheduler(model, gather_s=2.0)
+    sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+                            runner=scheduler) for _ in range(2)]
+    errors = [None, None]
+
+    def run(index):
+        try:
+            stream = sessions[index].send("Count from one to twenty.", temperature=0, max_new_tokens=24)
+            for received, _ in enumerate(stream, 1):
+                if index == 0 and received == 3:
+                    fail_next_update(sessions[0].cache.layers[3])
+        except RuntimeError as err:
+            errors[index] = str(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == ["injected failure", "injected failure"]
+    for session in sessions:
+        assert_consistent(session)
+        assert session.messages[-1]["content"]  # the partial reply is kept
+        assert "".join(session.send("Thanks!", **GREEDY)).strip()
+        assert_consistent(session)
+
+
+@pytest.mark.parametrize("chunk", [256])
+def test_a_long_prefill_does_not_hold_up_the_others(smollm, chunk):
+    """While one conversation reads a long paste, one chunk per step, another one's whole
+    reply is decoded in between."""
+    model, tokenizer = smollm
+    scheduler = BatchScheduler(model)
+    paste = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(150))
+    reader = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=64, recent=64, sink=4),
+                         runner=scheduler, prefill_chunk_size=chunk)
+    talker = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+                         runner=scheduler)
+    finished = {}
+
+    def read():
+        stream = reader.send(paste + "\nHow many lines?", temperature=0, max_new_tokens=2)
+        next(stream)
+        finished["reader first token"] = scheduler.steps
+        list(stream)
+
+    def talk():
+        "".join(talker.send("Say hello.", temperature=0, max_new_tokens=8))
+        finished["talker reply"] = scheduler.steps
+
+    threads = [threading.Thread(target=read), threading.Thread(target=talk)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert reader.fed > 5 * chunk
+    assert finished["talker reply"] < finished["reader first token"]
+    # Read in pieces between the talker's steps, the paste left the cache as one pass
+    # per chunk leaves it.
+    alone = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=64, recent=64, sink=4),
+                        runner=TakeTurns(model), prefill_chunk_size=chunk)
+    assert "".join(alone.send(paste + "\nHow many lines?", temperature=0, max_new_tokens=2)) == reader.messages[-1]["content"]
+    assert alone.tokens == reader.tokens and kept(alone.cache) == kept(reader.cache)
