@@ -438,8 +438,6 @@ class ChatSession(Session):
         return rendered, tokens, spans
 
 
-
-
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
 
