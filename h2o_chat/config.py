@@ -66,6 +66,14 @@ class ServerConfig:
     # Longest chat message (or story addition) accepted, in characters. Longer text is
     # refused with this limit in the message; shorter text is prefilled in chunks.
     max_message_chars: int = 100_000
+    # Longest chat system prompt or story bible, in characters. Both are pinned: their
+    # tokens stay in the cache outside its budget, so they get a limit of their own.
+    max_system_prompt_chars: int = 20_000
+    # A whole conversation (chat or story, wherever it comes from: typed, imported or
+    # resumed): at most this many user and assistant messages, and this many characters
+    # counting the system prompt or bible.
+    max_conversation_messages: int = 10_000
+    max_conversation_chars: int = 1_000_000
     # Largest HTTP request body (messages, uploads) the server reads, in megabytes.
     max_request_mb: int = 256
     # Replies generated at once over all browsers; more wait in a queue whose position
@@ -158,6 +166,9 @@ _RULES: dict[str, _Rule] = {
     "server.port": _int_between(1, 65535),
     "server.host": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.max_message_chars": _int_between(1, 10_000_000),
+    "server.max_system_prompt_chars": _int_between(1, 10_000_000),
+    "server.max_conversation_messages": _int_between(2, 10_000_000),
+    "server.max_conversation_chars": _int_between(1, 100_000_000),
     "server.max_request_mb": _int_between(1, 1024),
     "server.max_concurrent_generations": _int_between(1, 64),
     "server.idle_release_minutes": _Rule(lambda v: 0 < v <= 7 * 24 * 60,
@@ -188,6 +199,20 @@ def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:
             f"cache.recent = {recent}: must be an integer >= 1 when cache.policy is {policy!r}",
             field="cache.recent",
         )
+
+
+def _check_text_limits(server: ServerConfig, system_prompt: str) -> None:
+    """The text limits that involve more than one field."""
+    if server.max_message_chars > server.max_conversation_chars:
+        raise ConfigError(
+            f"server.max_message_chars = {server.max_message_chars}: must be at most "
+            f"server.max_conversation_chars ({server.max_conversation_chars})",
+            field="server.max_message_chars")
+    if len(system_prompt) > server.max_system_prompt_chars:
+        raise ConfigError(
+            f"generation.system_prompt is {len(system_prompt):,} characters long: must be at most "
+            f"server.max_system_prompt_chars ({server.max_system_prompt_chars:,})",
+            field="generation.system_prompt")
 
 
 def _type_name(tp: Any) -> str:
@@ -252,6 +277,7 @@ def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
     cache = validated.cache
     check_cache_budgets(cache.policy, cache.heavy, cache.recent)
     server = validated.server
+    _check_text_limits(server, validated.generation.system_prompt)
     if (server.username is None) != (server.password is None):
         given, missing = ("username", "password") if server.password is None else ("password", "username")
         raise ConfigError(f"server.{given} is set but server.{missing} is not: a login needs both "

@@ -22,6 +22,8 @@ from .engine.build import cache_from_config
 from .engine.cache import CacheStats, H2OCache
 from .loading import eos_token_ids
 from .config import CacheConfig, GenerationConfig, check_field
+from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
+                     check_system_prompt)
 from .pin_text import decode, find_span, shorten
 from .scheduler import BatchScheduler, TakeTurns, scheduler_for
 
@@ -92,14 +94,12 @@ class Session:
         tokenizer,
         cache: H2OCache | None = None,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
-        if max_message_chars is not None:
-            check_field("server.max_message_chars", max_message_chars)
-        self.max_message_chars = max_message_chars  # None = no limit
+        self.limits = limits or InputLimits()  # what texts and the conversation may hold
         self.model, self.tokenizer = model, tokenizer
         self.cache = cache or cache_from_config(model, CacheConfig())
         self.prefill_chunk_size = prefill_chunk_size
@@ -126,13 +126,16 @@ class Session:
     # ---- public ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop the current generation after the token being computed (any thread)."""
+        """Stop the current turn after the forward pass under way (any thread): a token
+        being generated, or one chunk of the prefill (the rest stays unfed, read on the
+        next send)."""
         self._stop.set()
 
     def prefill(self) -> None:
         """Feed the tokens the cache has not seen yet (history given to the constructor,
         a resumed file's unfed tokens) now rather than at the next send."""
         with self.between_turns("prefill"):
+            self._stop.clear()  # a Stop of the last turn must not cut this short; a new one may
             if self.fed < len(self.tokens):
                 self._feed_unfed()
 
@@ -145,20 +148,6 @@ class Session:
             decode_tokens_per_s=self._decode_tokens_per_s,
             prefill_seconds=self._prefill_seconds,
         )
-
-    def check_text(self, text: object, what: str) -> str:
-        """``text`` if it is a string a turn can take; a ValueError saying why not."""
-        if not isinstance(text, str):
-            raise ValueError(f"{what} must be a string, got {type(text).__name__}")
-        limit = self.max_message_chars
-        if limit is not None and len(text) > limit:
-            raise ValueError(f"{what} is {len(text):,} characters long; the limit is {limit:,} "
-                             "(server.max_message_chars)")
-        # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
-        if bad := _SURROGATE.search(text):
-            raise ValueError(f"{what} contains an unpaired surrogate (U+{ord(bad.group()):04X}) at "
-                             f"character {bad.start()}: not valid Unicode text")
-        return text
 
     def restore(self, tokens: list[int], fed: int) -> None:
         """Take a saved conversation's exact tokens, of which the cache (restored by the
@@ -237,11 +226,14 @@ class Session:
         """The exact text of token ids of this conversation (special tokens included)."""
         return decode(self.tokenizer, ids)
 
-    def _feed_unfed(self) -> torch.Tensor:
-        """Feed every token the cache has not seen, in chunks; logits of the last one."""
+    def _feed_unfed(self) -> torch.Tensor | None:
+        """Feed every token the cache has not seen, in chunks; logits of the last one, or
+        None when ``stop()`` ended the prefill between two chunks."""
         pending = torch.tensor([self.tokens[self.fed :]], device=self.model.device)
         logits = None
         for chunk in pending.split(self.prefill_chunk_size, dim=1):
+            if self._stop.is_set():
+                return None  # consistent as it stands: the cache saw tokens[:fed]
             try:
                 logits = self.runner.forward(self.cache, chunk)
                 if self.observer is not None:
@@ -308,10 +300,10 @@ class Session:
         self._prefill_seconds = time.perf_counter() - started
         decode_started, emitted = time.perf_counter(), ""
         for step in range(sampling.max_new_tokens):
-            if self._stop.is_set():
-                break
-            if step:
+            if step and not self._stop.is_set():
                 logits = self._feed_unfed()
+            if logits is None or self._stop.is_set():
+                break
             never = self._eos_tensor if step < sampling.min_new_tokens else self._never_sampled
             if never is not None:
                 logits = logits.index_fill(0, never, float("-inf"))
@@ -349,13 +341,13 @@ class ChatSession(Session):
         protect_system_prompt: bool = True,
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         history: Sequence[Mapping[str, str]] = (),
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
-        history = [_checked_message(i, m) for i, m in enumerate(history)]
+        system_prompt, history = check_conversation(system_prompt, history, self.limits)
         self.messages: list[dict[str, str]] = []
         self._template_text = ""  # the template text of self.tokens
         if system_prompt:
@@ -386,8 +378,8 @@ class ChatSession(Session):
     def send(self, text: str, pin: bool = False, **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
         pins the message's tokens (its content, not the template around it)."""
-        if not self.check_text(text, "the message").strip():
-            raise ValueError("message is empty: type something to send")
+        if not check_chat_turn(text, self.messages, self.limits).strip():
+            raise InputError("message is empty: type something to send", "the message")
         return self._turn(text, Sampling(**sampling), pin)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
@@ -454,19 +446,8 @@ class ChatSession(Session):
         return rendered, tokens, spans
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
-
-
-def _checked_message(index: int, message: Mapping[str, str]) -> dict[str, str]:
-    role, content = message.get("role"), message.get("content")
-    if role not in ("user", "assistant") or not isinstance(content, str):
-        raise ValueError(f"history[{index}] = {message!r}: must be a user or assistant "
-                         "message with string content")
-    return {"role": role, "content": content}
 
 
 class StorySession(Session):
@@ -484,11 +465,11 @@ class StorySession(Session):
         cache: H2OCache | None = None,
         bible: str = "",
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        max_message_chars: int | None = None,
+        limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, max_message_chars, runner)
-        self.check_text(bible, "the story bible")
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
+        check_system_prompt(bible, self.limits, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
         self._never_sampled = self._eos_tensor
@@ -505,11 +486,11 @@ class StorySession(Session):
     def send(self, text: str = "", pin: bool = False, **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation;
         ``pin`` pins ``text``'s tokens."""
-        self.check_text(text, "the new story text")
+        check_story_turn(text, len(self.decode(self.tokens)), self.limits)
         if not self.tokens and not text:
-            raise ValueError("the story is empty: write a beginning to continue from")
+            raise InputError("the story is empty: write a beginning to continue from", "the new story text")
         if pin and not text:
-            raise ValueError("nothing to pin: no new text to append")
+            raise InputError("nothing to pin: no new text to append", "the new story text")
         return self._turn(text, Sampling(**sampling), pin)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:

@@ -4,17 +4,20 @@ One file per session, a zip archive (``*.h2o-session.zip``, members stored
 uncompressed) holding:
 
 - ``cache.safetensors``: the cache's tensors (``H2OCache.state``): per layer the held
-  slots' keys, values, accumulated scores, positions and flags. No pickle anywhere.
+  slots' keys, values, accumulated scores, positions and flags; and ``tokens``, the
+  conversation's token ids. No pickle anywhere.
 - ``manifest.json``: format and version, the model's name and weight fingerprint, the
   cache settings (policy, budgets, rolling), protected spans and per-layer counters, the
-  session kind with its tokens and ``fed``, the chat messages (chat) or bible length
-  (story), and the sha256 of ``cache.safetensors``.
+  session kind and ``fed``, the chat messages (chat) or bible length (story).
+- ``sha256``: the hex sha256 of ``manifest.json``, a NUL byte and ``cache.safetensors``,
+  so an edit of either is caught.
 
 Resuming builds a new session on a fresh cache and restores the cache exactly, scores
 included, so the next logits and every later eviction equal those of the session that
 was saved. A file is refused (``SnapshotError``) when it is truncated or corrupted, of
-an unknown version, from another model, or from other cache settings than the cache it
-is resumed into.
+an unknown version, from another model, from other cache settings than the cache it is
+resumed into, or when anything in it is out of the limits (``h2o_chat.inputs``): every
+number is checked before memory is allocated for it.
 """
 
 from __future__ import annotations
@@ -34,20 +37,31 @@ from safetensors.torch import save as save_tensors
 
 from .engine.cache import H2OCache
 from .config import CacheConfig
+from .inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
+from .inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,
+                                  check_tokens, max_story_tokens)
+from .inputs.text import check_chars
 from .session import ChatSession, Session, StorySession
 
 FORMAT = "h2o-chat/session"
-VERSION = 1
+VERSION = 2  # 1 hashed the tensors only, and kept the tokens in the manifest
 SUFFIX = ".h2o-session.zip"
-MANIFEST = "manifest.json"
-TENSORS = "cache.safetensors"
+CHECKSUM = "sha256"
 # Refused before reading: a session of the default budget takes about 13 MB, a full
 # cache of 8k tokens of the embedded model about 390 MB.
 MAX_BYTES = 2 * 1024**3
 
 
-class SnapshotError(ValueError):
+class SnapshotError(InputError):
     """A session file that cannot be resumed here; the message says why."""
+
+    def __init__(self, message: str, field: str = "session file") -> None:
+        super().__init__(message, field)
+
+
+def _checksum(manifest: bytes, payload: bytes) -> str:
+    # JSON never holds a raw NUL, so the separator keeps the two members apart.
+    return hashlib.sha256(manifest + b"\0" + payload).hexdigest()
 
 
 def model_identity(model) -> dict[str, str]:
@@ -70,15 +84,13 @@ def model_identity(model) -> dict[str, str]:
 def _manifest(session: Session) -> tuple[dict[str, Any], bytes]:
     """The manifest and tensor payload that describe ``session`` now."""
     tensors, cache_state = session.cache.state()
-    payload = save_tensors(tensors)
+    payload = save_tensors(tensors | {"tokens": torch.tensor(session.tokens, dtype=torch.int32)})
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "model": model_identity(session.model),
         "cache": cache_state,
-        "tokens": list(session.tokens),
         "fed": session.fed,
-        "payload_sha256": hashlib.sha256(payload).hexdigest(),
     }
     if isinstance(session, ChatSession):
         return manifest | {"kind": "chat", "messages": [dict(m) for m in session.messages],
@@ -95,46 +107,57 @@ def save_session(session: Session, path: str | Path) -> Path:
             manifest, payload = _manifest(session)
     except RuntimeError as err:  # a turn is running
         raise SnapshotError(f"{err}, or wait, then save") from None
+    return write_session_file(path, json.dumps(manifest, ensure_ascii=False).encode(), payload)
+
+
+def write_session_file(path: str | Path, manifest: bytes, payload: bytes) -> Path:
+    """The session file of a manifest's and a payload's bytes, with their checksum."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")  # renamed when complete: never half a file
     with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr(MANIFEST, json.dumps(manifest, ensure_ascii=False))
+        archive.writestr(MANIFEST, manifest)
         archive.writestr(TENSORS, payload)
+        archive.writestr(CHECKSUM, _checksum(manifest, payload))
     partial.replace(path)
     return path
 
 
-def read_manifest(path: str | Path) -> tuple[dict[str, Any], bytes]:
+def read_manifest(path: str | Path, limits: InputLimits | None = None) -> tuple[dict[str, Any], bytes]:
     """The manifest and the tensor payload of a session file, checked for integrity and
-    version (not yet against a model or cache)."""
+    version (not yet against a model or cache); the manifest's size is bounded by what a
+    conversation within ``limits`` needs."""
+    limits = limits or InputLimits()
+    members = {MANIFEST: limits.document_bytes, TENSORS: MAX_BYTES, CHECKSUM: 64}
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(path) as archive, refused_as(SnapshotError):
             names = sorted(archive.namelist())
-            if names != sorted([MANIFEST, TENSORS]):
-                raise SnapshotError(f"not a session file: it holds {names}, expected {MANIFEST} and {TENSORS}")
-            size = sum(info.file_size for info in archive.infolist())
-            if size > MAX_BYTES:
-                raise SnapshotError(f"session file unpacks to {size} bytes, more than the limit {MAX_BYTES}")
-            manifest_bytes, payload = archive.read(MANIFEST), archive.read(TENSORS)
+            if names != sorted(members):
+                raise SnapshotError(f"not a session file: it holds {_short_list(names)}, expected "
+                                    f"{sorted(members)} (files of version 1 cannot be resumed: they "
+                                    "lack the checksum of their manifest)")
+            manifest_bytes, payload, checksum = (read_member(archive, name, cap, "session file")
+                                                 for name, cap in members.items())
     except zipfile.BadZipFile as err:
         if "CRC" in str(err):
             raise SnapshotError(f"session file is corrupted ({err})") from None
         raise SnapshotError(f"not a session file, or the file is truncated ({err})") from None
     except (EOFError, zlib.error) as err:
         raise SnapshotError(f"session file is truncated or corrupted ({err})") from None
-    try:
-        manifest = json.loads(manifest_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SnapshotError(f"session file is corrupted: {MANIFEST} is not valid JSON ({err})") from None
+    if checksum != _checksum(manifest_bytes, payload).encode():
+        raise SnapshotError(f"session file is corrupted or was edited: {MANIFEST} and {TENSORS} do "
+                            f"not match the sha256 in {CHECKSUM}", CHECKSUM)
+    with refused_as(SnapshotError):
+        manifest = read_json(manifest_bytes, MANIFEST, limits.document_bytes, limits.document_values)
     if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"not a session file: {MANIFEST} lacks \"format\": \"{FORMAT}\"")
     if manifest.get("version") != VERSION:
         raise SnapshotError(f"unknown session file version {manifest.get('version')!r} "
-                            f"(this app reads version {VERSION})")
-    if hashlib.sha256(payload).hexdigest() != manifest.get("payload_sha256"):
-        raise SnapshotError(f"session file is corrupted: {TENSORS} does not match the sha256 "
-                            f"in {MANIFEST}")
+                            f"(this app reads version {VERSION})", f"{MANIFEST}: version")
     return dict(manifest), payload
+
+
+def _short_list(names: list[str]) -> str:
+    return repr(names) if len(names) <= 5 else f"{len(names):,} files"
 
 
 def load_session(
@@ -144,16 +167,19 @@ def load_session(
     cache: H2OCache,
     kind: str | None = None,
     prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-    max_message_chars: int | None = None,
+    limits: InputLimits | None = None,
 ) -> ChatSession | StorySession:
     """Resume a saved session into ``cache``, a fresh cache whose settings (policy,
     budgets, rolling) must equal the file's; a refused file (SnapshotError) leaves it
     fresh. ``kind`` ("chat" or "story") refuses the other kind; the last two arguments
-    are the session's own (see ``Session``)."""
-    manifest, payload = read_manifest(path)
+    are the session's own (see ``Session``), and the file must keep within ``limits``."""
+    limits = limits or InputLimits()
+    manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
         raise SnapshotError(f"this is a {manifest.get('kind')} session file, not a {kind} session")
-    saved, ours = manifest.get("model") or {}, model_identity(model)
+    saved, ours = manifest.get("model"), model_identity(model)
+    if not isinstance(saved, Mapping):
+        raise SnapshotError(f"not a session file: {MANIFEST} lacks the model's fingerprint", f"{MANIFEST}: model")
     if saved.get("fingerprint") != ours["fingerprint"]:
         raise SnapshotError(f"this session was saved with another model: {saved.get('name')!r} "
                             f"(fingerprint {str(saved.get('fingerprint'))[:12]}), the loaded model is "
@@ -165,21 +191,23 @@ def load_session(
         cache.check_settings(cache_state["settings"], "the file")
     except ValueError as err:
         raise SnapshotError(f"{err}: change the cache settings to the file's to resume it") from None
-    tokens, fed = manifest.get("tokens"), manifest.get("fed")
-    vocab = model.get_input_embeddings().num_embeddings
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
-        raise SnapshotError(f"tokens: must be a list of token ids below {vocab}")
-    if type(fed) is not int or not 0 <= fed <= len(tokens):
-        raise SnapshotError(f"fed = {fed!r}: must be an integer from 0 to {len(tokens)} (the tokens)")
     try:
-        options = dict(prefill_chunk_size=prefill_chunk_size, max_message_chars=max_message_chars)
-        session = _new_session(manifest, model, tokenizer, cache, tokens, options)
+        tensors = load_tensors(payload)
+    except SafetensorError as err:
+        raise SnapshotError(f"session file does not describe a valid cache: {err}", TENSORS) from None
+    del payload  # the tensors are a copy
+    vocab = model.get_input_embeddings().num_embeddings
+    try:
+        with refused_as(SnapshotError):
+            tokens, fed = check_tokens(tensors.pop("tokens", None), manifest.get("fed"), vocab,
+                                       _most_tokens(manifest, limits), limits, manifest.get("kind") == "chat")
+            check_cache_state(cache_state, tensors, fed, len(tokens), cache, model, prefill_chunk_size)
+            session = _new_session(manifest, model, tokenizer, cache, tokens,
+                                   dict(prefill_chunk_size=prefill_chunk_size, limits=limits))
         try:
-            cache.load_state(load_tensors(payload), cache_state, model.device)
-        except (KeyError, TypeError, ValueError, SafetensorError) as err:
+            cache.load_state(tensors, cache_state, model.device)
+        except (KeyError, TypeError, ValueError) as err:
             raise SnapshotError(f"session file does not describe a valid cache: {err}") from None
-        if cache.seen != fed:
-            raise SnapshotError(f"fed = {fed} but the cache has seen {cache.seen} tokens")
     except SnapshotError:
         cache.reset()  # fresh again: the session may have protected its prompt already
         cache.spans.ranges.clear()
@@ -191,32 +219,47 @@ def load_session(
     return session
 
 
-def _new_session(manifest: dict, model, tokenizer, cache: H2OCache, tokens: list[int],
+def _most_tokens(manifest: Mapping[str, Any], limits: InputLimits) -> int:
+    """A bound on the file's token count, known before the tokens are read: a chat's
+    tokens spell its template text, at least one byte each."""
+    if manifest.get("kind") != "chat":
+        return max_story_tokens(limits)
+    text = manifest.get("template_text")
+    if not isinstance(text, str):
+        raise SnapshotError(f"chat session: {MANIFEST} lacks template_text", f"{MANIFEST}: template_text")
+    return len(text.encode("utf-8", "surrogatepass")) + 1
+
+
+def _new_session(manifest: Mapping[str, Any], model, tokenizer, cache: H2OCache, tokens: list[int],
                  options: dict[str, Any]) -> ChatSession | StorySession:
     """The session, built as the app builds one (so the system prompt or bible is
-    protected and marked as such), before its tokens and cache are restored."""
+    protected and marked as such, and the texts are checked against the limits),
+    before its tokens and cache are restored."""
     kind = manifest.get("kind")
     if kind == "chat":
         messages, text = manifest.get("messages"), manifest.get("template_text")
-        if (not isinstance(text, str) or not isinstance(messages, list)
-                or not all(isinstance(m, Mapping) for m in messages)):
-            raise SnapshotError("chat session: messages (a list of objects) or template_text is missing")
-        system = messages[0].get("content") if messages and messages[0].get("role") == "system" else None
-        if messages and system is None and messages[0].get("role") == "system":
-            raise SnapshotError(f"messages[0] = {messages[0]!r}: the system prompt must be a string")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise SnapshotError("chat session: messages (a list of objects) is missing", f"{MANIFEST}: messages")
+        has_system = bool(messages) and messages[0].get("role") == "system"
+        if has_system and not isinstance(messages[0].get("content"), str):
+            raise SnapshotError(f"messages[0] = {messages[0]!r}: the system prompt must be a string",
+                                f"{MANIFEST}: messages[0]")
         try:
-            session = ChatSession(model, tokenizer, cache=cache, system_prompt=system,
-                                  history=messages[1:] if system is not None else messages, **options)
-        except ValueError as err:
-            raise SnapshotError(f"chat session: {err}") from None
+            session = ChatSession(model, tokenizer, cache=cache,
+                                  system_prompt=messages[0]["content"] if has_system else None,
+                                  history=messages[1:] if has_system else messages, **options)
+        except InputError as err:
+            raise SnapshotError(f"{MANIFEST}: chat session: {err}", f"{MANIFEST}: messages") from None
+        check_template_text(text, session.messages, tokenizer)
         return session
     if kind == "story":
-        bible = manifest.get("bible_tokens")
-        if type(bible) is not int or not 0 <= bible <= len(tokens):
-            raise SnapshotError(f"bible_tokens = {bible!r}: must be an integer from 0 to {len(tokens)}")
+        bible = require_int(manifest.get("bible_tokens"), f"{MANIFEST}: bible_tokens", 0, len(tokens),
+                            "the tokens in the file")
         text = tokenizer.decode(tokens[:bible], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         session = StorySession(model, tokenizer, cache=cache, bible=text, **options)
         if session.tokens != tokens[:bible]:
             raise SnapshotError("the story bible does not encode to the saved tokens: another tokenizer?")
+        story = tokenizer.decode(tokens[bible:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        check_chars(len(text) + len(story), session.limits, "the story")
         return session
-    raise SnapshotError(f"kind = {kind!r}: must be chat or story")
+    raise SnapshotError(f"kind = {kind!r}: must be chat or story", f"{MANIFEST}: kind")

@@ -14,17 +14,21 @@ JSON layout, version 1::
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .session import ChatSession, _checked_message
+from .inputs import InputError, InputLimits, check_conversation, read_json, refused_as
+from .session import ChatSession
 
 FORMAT = "h2o-chat/conversation"
 VERSION = 1
 
 
-class TranscriptError(ValueError):
+class TranscriptError(InputError):
     """A conversation file that cannot be imported; the message says why."""
+
+    def __init__(self, message: str, field: str = "conversation file") -> None:
+        super().__init__(message, field)
 
 
 @dataclass(frozen=True)
@@ -56,30 +60,19 @@ class Conversation:
                            history=self.messages, **kwargs)
 
 
-def read_conversation(data: str | bytes) -> Conversation:
-    """Parse an exported conversation; TranscriptError if it is not one this app wrote."""
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TranscriptError(f"not a conversation file: invalid JSON ({err})") from None
-    if not isinstance(document, Mapping) or document.get("format") != FORMAT:
-        raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
-    version = document.get("version")
-    if version != VERSION:
-        raise TranscriptError(f"unknown conversation file version {version!r} "
-                              f"(this app reads version {VERSION})")
-    system_prompt = document.get("system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null")
-    messages = document.get("messages")
-    if not isinstance(messages, Sequence) or isinstance(messages, str):
-        raise TranscriptError(f"messages = {messages!r}: must be a list of messages")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise TranscriptError(f"messages[{index}] = {message!r}: must be an object with role and content")
-        try:
-            checked.append(_checked_message(index, message))
-        except ValueError as err:  # the rule ChatSession applies to its history
-            raise TranscriptError(f"conversation file: {err}") from None
-    return Conversation(system_prompt, checked)
+def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> Conversation:
+    """Parse an exported conversation; TranscriptError if it is not one this app wrote or
+    it does not keep within ``limits``."""
+    limits = limits or InputLimits()
+    with refused_as(TranscriptError):
+        document = read_json(data, "conversation file", limits.document_bytes, limits.document_values)
+        if not isinstance(document, Mapping) or document.get("format") != FORMAT:
+            raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
+        version = document.get("version")
+        if version != VERSION:
+            raise TranscriptError(f"unknown conversation file version {version!r} "
+                                  f"(this app reads version {VERSION})", "version")
+        system_prompt = document.get("system_prompt")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null", "system_prompt")
+        return Conversation(*check_conversation(system_prompt, document.get("messages"), limits, "messages"))

@@ -19,7 +19,8 @@ USER = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def url(smollm):
     # One generation at a time and no queue, so a second request meets a full queue.
-    config = api_config(api_key=KEY, max_message_chars=200, api_max_request_mb=1,
+    config = api_config(api_key=KEY, max_message_chars=200, max_system_prompt_chars=100,
+                        max_conversation_messages=5, api_max_request_mb=1,
                         max_concurrent_generations=1, api_max_queued=0)
     with serving(smollm, config) as url:
         yield url
@@ -47,7 +48,11 @@ def refusal(url, status, **request):
     ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens", "min_tokens = 5: must be an integer from 0 to max_tokens (2)"),
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos = 'yes': must be true or false"),
-    ({"messages": []}, "messages", "messages must be an array of 1 to 4096 messages"),
+    ({"messages": []}, "messages", "messages must be a non-empty array of messages"),
+    ({"messages": USER * 5}, "messages (with the reply)",
+     "messages (with the reply) holds 6 messages; the limit is 5 (server.max_conversation_messages)"),
+    ({"messages": [{"role": "system", "content": "s" * 101}, *USER]}, "messages[0].content",
+     "messages[0].content is 101 characters long; the limit is 100 (server.max_system_prompt_chars)"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
      "messages[0].role = 'tool': must be one of system, developer, user, assistant"),
     ({"messages": USER + [{"role": "assistant", "content": "Hello"}]}, "messages[1].role",
@@ -73,11 +78,14 @@ def test_bad_fields_get_400_naming_the_field_and_the_allowed_range(url, request_
 
 def test_malformed_bodies_get_400_and_the_server_stays_up(url):
     headers = {"Authorization": f"Bearer {KEY}"}
-    for content, expected in [(b"{", "the request body is not valid JSON"),
-                              (b"[" * 100_000 + b"]" * 100_000, "the request body is not valid JSON"),
+    for content, expected in [(b"{", "the request body: invalid JSON"),
+                              (b"[" * 3000 + b"]" * 3000, "the request body is nested deeper than"),
+                              # at most what 5 messages need (server.max_conversation_messages)
+                              (b"[" + b"0," * 4999 + b"0]", "the request body holds 5,000 JSON values "
+                                                            "besides strings; the limit is 4,176"),
                               (b"[1, 2]", "the request body must be a JSON object, got an array"),
                               (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-                               "messages[0].content has an unpaired surrogate at character 0")]:
+                               "messages[0].content contains an unpaired surrogate (U+D800) at character 0")]:
         response = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["message"].startswith(expected)
     assert httpx.get(url + "/health").json()["status"] == "ok"

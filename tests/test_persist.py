@@ -11,8 +11,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from h2o_chat import ChatSession, StorySession, make_cache
-from h2o_chat.snapshot import (MANIFEST, TENSORS, VERSION, SnapshotError, load_session, model_identity,
-                               read_manifest, save_session)
+from h2o_chat.snapshot import (CHECKSUM, MANIFEST, TENSORS, VERSION, SnapshotError, load_session,
+                               model_identity, read_manifest, save_session, write_session_file)
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
 from .helpers import feed
@@ -141,27 +141,25 @@ def test_story_resumes_with_identical_logits_and_evictions(smollm, tmp_path):
 
 def test_the_file_is_a_zip_of_json_and_safetensors(chat, chat_file):
     with zipfile.ZipFile(chat_file) as archive:
-        assert sorted(archive.namelist()) == sorted([MANIFEST, TENSORS])
+        assert sorted(archive.namelist()) == sorted([MANIFEST, TENSORS, CHECKSUM])
         manifest = json.loads(archive.read(MANIFEST))
         tensors = load_tensors(archive.read(TENSORS))
     assert manifest["version"] == VERSION and manifest["kind"] == "chat"
     assert manifest["cache"]["settings"] == {"policy": "h2o", **BUDGET, "rolling": False}
     assert manifest["cache"]["protected"] == [[0, 8]]
     assert manifest["model"] == model_identity(chat.model)
-    assert manifest["tokens"] == chat.tokens and manifest["fed"] == chat.fed == len(chat.tokens) - 1
+    assert tensors["tokens"].tolist() == chat.tokens and manifest["fed"] == chat.fed == len(chat.tokens) - 1
     assert manifest["messages"] == chat.messages
     held = chat.cache.stats().held
     assert tensors["layers.0.keys"].shape == (1, 3, held, 64) and tensors["layers.29.scores"].dtype == torch.float32
 
 
 def rewritten(path, tmp_path, manifest=None, payload=None):
-    """A copy of a session file with its manifest and/or payload replaced (valid zip)."""
+    """A copy of a session file with its manifest and/or payload replaced (a valid file,
+    checksum included)."""
     old_manifest, old_payload = read_manifest(path)
-    copy = tmp_path / "edited.h2o-session.zip"
-    with zipfile.ZipFile(copy, "w") as archive:
-        archive.writestr(MANIFEST, json.dumps(manifest or old_manifest))
-        archive.writestr(TENSORS, payload or old_payload)
-    return copy
+    return write_session_file(tmp_path / "edited.h2o-session.zip",
+                              json.dumps(manifest or old_manifest).encode(), payload or old_payload)
 
 
 def refused(smollm, path, message, cache=None, kind=None):
@@ -182,10 +180,15 @@ def test_truncated_and_corrupted_files_are_refused(smollm, chat_file, tmp_path):
     corrupted = tmp_path / "corrupted.zip"
     corrupted.write_bytes(bytes(flipped))
     refused(smollm, corrupted, "corrupted")
-    _, payload = read_manifest(chat_file)
-    tampered = bytearray(payload)
-    tampered[-1] ^= 0x01  # valid zip, changed tensors: the manifest's sha256 catches it
-    refused(smollm, rewritten(chat_file, tmp_path, payload=bytes(tampered)), "does not match the sha256")
+    with zipfile.ZipFile(chat_file) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    tampered = bytearray(members[TENSORS])
+    tampered[-1] ^= 0x01  # valid zip, changed tensors: the checksum catches it
+    edited = tmp_path / "tampered.h2o-session.zip"
+    with zipfile.ZipFile(edited, "w") as archive:
+        for name, data in (members | {TENSORS: bytes(tampered)}).items():
+            archive.writestr(name, data)
+    refused(smollm, edited, "do not match the sha256")
     plain = tmp_path / "notes.txt"
     plain.write_text("hello")
     refused(smollm, plain, "not a session file")
@@ -194,14 +197,13 @@ def test_truncated_and_corrupted_files_are_refused(smollm, chat_file, tmp_path):
 def test_unknown_version_and_bad_fields_are_refused(smollm, chat_file, tmp_path):
     manifest, _ = read_manifest(chat_file)
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"version": 99}),
-            "unknown session file version 99 \\(this app reads version 1\\)")
+            f"unknown session file version 99 \\(this app reads version {VERSION}\\)")
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 10_000}), "fed = 10000")
-    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"tokens": [-1]}), "token ids below 49152")
-    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 3}), "fed = 3 but the cache has seen")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 3}), r"layers\[0\].seen = \d+: must be an integer from 3 to 3")
     refused(smollm, chat_file, "this is a chat session file, not a story session", kind="story")
     layers = manifest["cache"]["layers"]
     bad_state = manifest["cache"] | {"layers": [layers[0] | {"held": 999}] + layers[1:]}
-    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": bad_state}), "layer 0: held = 999")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": bad_state}), r"cache.layers\[0\].held = 999: must be an integer from 0 to 44")
 
 
 def test_other_cache_settings_are_refused_naming_both_values(smollm, chat_file):
@@ -404,3 +406,21 @@ def test_story_panel_saves_and_resumes(views):
     assert new.continues(update[story.bible], update[story.story] + " More.")  # no re-read needed
     assert new.session.tokens == state.session.tokens and new.session.bible_tokens == state.session.bible_tokens
     assert_same_cache(new.session.cache, state.session.cache)
+
+
+def test_the_pages_refuse_hostile_input_with_the_limit(views, tmp_path):
+    import gradio as gr
+
+    settings, chat, story = views
+    values = inputs(settings, chat, None) | {chat.text: "Hi", chat.system_prompt: "x" * 25_000,
+                                             chat.pin_message: False}
+    with pytest.raises(gr.Error, match=r"the system prompt is 25,000 characters long; the limit is 20,000"):
+        next(chat.on_send(values))
+    values = inputs(settings, story, None) | {story.bible: "b" * 25_000, story.story: "Once", story.tokens: 8}
+    with pytest.raises(gr.Error, match=r"the story bible is 25,002 characters long; the limit is 20,000"):
+        next(story.on_continue(values))
+    upload = tmp_path / "many.json"
+    upload.write_text(Conversation(None, [{"role": "user", "content": "x"}] * 10_001).to_json())
+    with pytest.warns(UserWarning, match="messages holds 10,001 messages; the limit is 10,000"):
+        update = chat.files.on_import(inputs(settings, chat, None) | {chat.files.import_json: str(upload)})
+    assert chat.state not in update and update[chat.files.status].startswith("**Not loaded:**")

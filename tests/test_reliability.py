@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import ConfigError, load_config
+from h2o_chat.inputs import InputLimits
 from h2o_chat.ui.app import launch_options, server_line
 from h2o_chat.ui.limits import RequestSizeLimit
 from h2o_chat.ui.streaming import stream_turn
@@ -36,8 +37,8 @@ def assert_tokens_are_the_history(session: ChatSession) -> None:
 
 def test_refused_inputs_change_nothing_and_the_next_reply_is_the_same(smollm):
     model, tokenizer = smollm
-    session = ChatSession(model, tokenizer, cache=h2o(model), max_message_chars=1000)
-    control = ChatSession(model, tokenizer, cache=h2o(model), max_message_chars=1000)
+    session = ChatSession(model, tokenizer, cache=h2o(model), limits=InputLimits(message_chars=1000))
+    control = ChatSession(model, tokenizer, cache=h2o(model), limits=InputLimits(message_chars=1000))
     for chat in (session, control):
         "".join(chat.send("Hi! What is your name?", **GREEDY))
     before = (list(session.tokens), [dict(m) for m in session.messages], session.fed)
@@ -65,7 +66,7 @@ def test_refused_inputs_change_nothing_and_the_next_reply_is_the_same(smollm):
 def test_a_message_at_the_limit_is_prefilled_in_chunks_within_budget(smollm):
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, cache=h2o(model, 32, 32), prefill_chunk_size=128,
-                          max_message_chars=6000)
+                          limits=InputLimits(message_chars=6000))
     text = ("The quick brown fox jumps over the lazy dog. " * 200)[:6000]
     "".join(session.send(text, temperature=0, max_new_tokens=4))
     stats = session.stats().cache
@@ -87,8 +88,8 @@ def test_control_characters_and_mixed_scripts_are_plain_text(smollm):
 def test_story_texts_are_checked_the_same_way(smollm):
     model, tokenizer = smollm
     with pytest.raises(ValueError, match="story bible is 20 characters long; the limit is 10"):
-        StorySession(model, tokenizer, bible="b" * 20, max_message_chars=10)
-    story = StorySession(model, tokenizer, cache=h2o(model), max_message_chars=10)
+        StorySession(model, tokenizer, bible="b" * 20, limits=InputLimits(system_prompt_chars=10))
+    story = StorySession(model, tokenizer, cache=h2o(model), limits=InputLimits(message_chars=10))
     with pytest.raises(ValueError, match="new story text is 11 characters"):
         story.send("s" * 11)
     with pytest.raises(ValueError, match="surrogate"):

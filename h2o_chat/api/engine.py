@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from h2o_chat import ChatSession, cache_from_config
 from h2o_chat.config import AppConfig
+from h2o_chat.inputs import InputError, InputLimits
 from h2o_chat.session import SessionStats
 
 from .conversations import Conversation, ConversationStore
@@ -204,7 +205,7 @@ class Engine:
             model, tokenizer, cache=cache_from_config(model, cache), system_prompt=system or None,
             prefill_chunk_size=cache.prefill_chunk_size,
             history=[{"role": m.role, "content": m.content} for m in turns],
-            max_message_chars=self.config.server.max_message_chars)
+            limits=InputLimits.of(self.config.server))
         for index, message in enumerate(turns, start=len(history) - len(turns)):
             if message.pin:
                 try:
@@ -234,7 +235,9 @@ def h2o_report(session_id: str, stats: SessionStats) -> dict[str, Any]:
 def _as_api_error(err: BaseException) -> APIError:
     if isinstance(err, APIError):
         return err
-    if isinstance(err, ValueError):  # the session refused the message (e.g. empty)
+    if isinstance(err, InputError):  # the session's own checks refused it
+        return APIError(400, str(err), param=err.field, code="invalid_value")
+    if isinstance(err, ValueError):
         return APIError(400, str(err), param="messages", code="invalid_value")
     return APIError(500, f"the reply failed: {type(err).__name__}: {err}", code="generation_failed")
 

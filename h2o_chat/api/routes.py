@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from h2o_chat.config import AppConfig
+from h2o_chat.inputs import InputError, InputLimits, read_json
 from h2o_chat.scheduler import scheduler_for
 
 from .conversations import ConversationStore, check_session_id
@@ -41,6 +41,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     engine = Engine(provider, config, metrics, store)
     authorize = _authorizer(server.api_key, login=server.username is not None)
     max_body = server.api_max_request_mb * 2**20
+    limits = InputLimits.of(server)
     started = int(time.time())
     # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
@@ -88,8 +89,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        chat = parse_chat_request(await _read_json(request, max_body), config.generation,
-                                  server.max_message_chars)
+        chat = parse_chat_request(await _read_json(request, max_body, limits), config.generation, limits)
         session_id = request.headers.get("x-session-id")
         turn = await engine.start(chat, None if session_id is None else check_session_id(session_id))
         reply = Reply(name)
@@ -130,8 +130,9 @@ def _authorizer(key: str | None, login: bool) -> Callable[[Request], None]:
     return authorize
 
 
-async def _read_json(request: Request, max_bytes: int) -> Any:
-    """The body as JSON, read no further than ``max_bytes`` (413 beyond)."""
+async def _read_json(request: Request, max_bytes: int, limits: InputLimits) -> Any:
+    """The body as JSON, read no further than ``max_bytes`` (413 beyond), and parsed only
+    if it holds no more JSON values than a conversation within ``limits`` needs."""
     too_large = APIError(413, f"request body over the API's limit of {max_bytes // 2**20} MB "
                               "(server.api_max_request_mb)", code="request_too_large")
     length = request.headers.get("content-length", "")
@@ -143,10 +144,9 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         if len(body) > max_bytes:
             raise too_large
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
-        raise APIError(400, f"the request body is not valid JSON: {str(err)[:200]}",
-                       code="invalid_json") from None
+        return read_json(bytes(body), "the request body", max_bytes, limits.document_values)
+    except InputError as err:
+        raise APIError(400, str(err), code="invalid_json") from None
 
 
 async def _events(turn: Turn, chat: ChatRequest, reply: Reply) -> AsyncIterator[bytes]:

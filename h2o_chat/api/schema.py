@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field
+from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text
+from h2o_chat.inputs.text import check_chars, check_count
 
 from .errors import invalid
 
-# Bounds of what one request may carry besides the body limit, which bounds the total.
-MAX_MESSAGES = 4096
+# Bounds of what one request may carry besides the body limit and the conversation
+# limits of the config (server.max_conversation_messages, ..._chars), as the page has.
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 256
@@ -56,9 +58,10 @@ class ChatRequest:
         return self.messages[:-1]
 
 
-def parse_chat_request(body: Any, defaults: GenerationConfig, max_message_chars: int) -> ChatRequest:
-    """Check a decoded JSON body; ``defaults`` fill the sampling fields it leaves out.
-    Raises ``APIError`` (400) naming the first bad field."""
+def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimits) -> ChatRequest:
+    """Check a decoded JSON body; ``defaults`` fill the sampling fields it leaves out,
+    ``limits`` bound the conversation as the page's. Raises ``APIError`` (400) naming the
+    first bad field."""
     if not isinstance(body, Mapping):
         raise invalid("body", f"the request body must be a JSON object, got {_json_type(body)}")
     for name in _UNSUPPORTED:
@@ -83,7 +86,7 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, max_message_chars:
     if not isinstance(options, Mapping):
         raise invalid("stream_options", f"stream_options must be an object, got {_json_type(options)}")
     return ChatRequest(
-        messages=_messages(body.get("messages"), defaults.system_prompt, max_message_chars),
+        messages=_messages(body.get("messages"), defaults.system_prompt, limits),
         max_tokens=max_tokens,
         temperature=_generation(body, "temperature", defaults.temperature),
         top_p=_generation(body, "top_p", defaults.top_p),
@@ -159,10 +162,16 @@ def _check_response_format(value: Any) -> None:
                                          "supported")
 
 
-def _messages(value: Any, default_system: str, max_chars: int) -> tuple[Message, ...]:
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
-        raise invalid("messages", f"messages must be an array of 1 to {MAX_MESSAGES} messages")
-    messages = [_message(index, item, max_chars) for index, item in enumerate(value)]
+def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Message, ...]:
+    # The count first, before any message is looked at; the reply will be one more.
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "messages must be a non-empty array of messages")
+    try:
+        check_count(len(value) + 1, limits, "messages (with the reply)")
+        messages = [_message(index, item, limits) for index, item in enumerate(value)]
+        check_chars(sum(len(m.content) for m in messages), limits, "messages")
+    except InputError as err:
+        raise invalid(err.field, str(err)) from None
     for index, message in enumerate(messages[1:], start=1):
         if message.role == "system":
             raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "
@@ -180,7 +189,7 @@ def _messages(value: Any, default_system: str, max_chars: int) -> tuple[Message,
     return tuple(messages)
 
 
-def _message(index: int, item: Any, max_chars: int) -> Message:
+def _message(index: int, item: Any, limits: InputLimits) -> Message:
     where = f"messages[{index}]"
     if not isinstance(item, Mapping):
         raise invalid(where, f"{where} must be an object with role and content, got {_json_type(item)}")
@@ -188,17 +197,13 @@ def _message(index: int, item: Any, max_chars: int) -> Message:
     if role not in ROLES:
         raise invalid(f"{where}.role", f"{where}.role = {short(role)}: must be one of "
                                        + ", ".join(ROLES))
+    role = "system" if role == "developer" else role
     content = _content(f"{where}.content", item.get("content"))
-    if len(content) > max_chars:
-        raise invalid(f"{where}.content", f"{where}.content is {len(content):,} characters long; the "
-                                          f"limit is {max_chars:,} (server.max_message_chars)")
-    try:
-        content.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise invalid(f"{where}.content", f"{where}.content has an unpaired surrogate at character "
-                                          f"{err.start}: not valid Unicode text") from None
-    return Message("system" if role == "developer" else role, content,
-                   _bool(item, "pin", False, f"{where}."))
+    if role == "system":  # pinned, hence a limit of its own
+        check_system_prompt(content, limits, f"{where}.content")
+    else:
+        check_text(content, f"{where}.content", limits.message_chars, limits.setting("message_chars"))
+    return Message(role, content, _bool(item, "pin", False, f"{where}."))
 
 
 def _content(where: str, value: Any) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.inputs import InputLimits
 from h2o_chat.session import ChatSession
 
 from .files_panel import ChatFiles
@@ -27,10 +28,10 @@ class ChatState(ViewState):
     """One browser's chat: its session, and how to rebuild it from an edited history."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str,
-                 max_message_chars: int | None = None) -> None:
+                 limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
         self.cache, self.system_prompt = cache, system_prompt
-        self.max_message_chars = max_message_chars
+        self.limits = limits
         self.session = self._new_session([])
 
     def _new_session(self, history: list[dict[str, str]]) -> ChatSession:
@@ -38,7 +39,7 @@ class ChatState(ViewState):
         return ChatSession(model, tokenizer, cache=new_cache(model, self.cache),
                            system_prompt=self.system_prompt or None,
                            prefill_chunk_size=self.cache.prefill_chunk_size, history=history,
-                           max_message_chars=self.max_message_chars)
+                           limits=self.limits)
 
     def sessions(self) -> list[ChatSession]:
         return [self.session]
@@ -135,8 +136,11 @@ class ChatTab:
             if not self.provider.ready:
                 yield {self.chatbot: [{"role": "user", "content": text},
                                       {"role": "assistant", "content": "(waiting for the model to load…)"}]}
-            state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
-                              values[self.system_prompt], self.server.max_message_chars)
+            try:
+                state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
+                                  values[self.system_prompt], InputLimits.of(self.server))
+            except ValueError as err:  # the system prompt is refused (too long, say)
+                raise gr.Error(str(err)) from None
         with state.running():
             yield from self._turn(values, state, text)
 

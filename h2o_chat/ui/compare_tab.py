@@ -11,6 +11,7 @@ import gradio as gr
 from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.fidelity import FidelityProbe, first_divergence
+from h2o_chat.inputs import InputLimits
 from h2o_chat.session import ChatSession
 
 from .chat_tab import shown_messages
@@ -42,14 +43,14 @@ class CompareState(ViewState):
     """One browser's comparison: two chat sessions fed the same turns and seed."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str,
-                 max_message_chars: int | None = None) -> None:
+                 limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
         model, tokenizer = loaded.model, loaded.tokenizer
 
         def session(kv_cache) -> ChatSession:
             return ChatSession(model, tokenizer, cache=kv_cache, system_prompt=system_prompt or None,
                                prefill_chunk_size=cache.prefill_chunk_size,
-                               max_message_chars=max_message_chars)
+                               limits=limits)
 
         self.sides = {BOUNDED: session(new_cache(model, cache)),
                       FULL: session(make_cache(model, "full"))}
@@ -144,7 +145,7 @@ class CompareTab:
         loaded = wait_for_model(self.provider)
         state = values[self.state] or CompareState(
             loaded, self.settings.cache(values), self.config.generation.system_prompt,
-            self.server.max_message_chars)
+            InputLimits.of(self.server))
         sampling = self.settings.sampling(values)
         if sampling["seed"] is None:  # one seed for both, so only the caches differ
             sampling["seed"] = random.randrange(2**31)

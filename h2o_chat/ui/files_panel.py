@@ -22,6 +22,7 @@ from typing import Any
 
 import gradio as gr
 
+from h2o_chat.inputs import InputLimits
 from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
@@ -108,10 +109,9 @@ class FilesPanel:
             path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
             loaded = wait_for_model(self.tab.provider)
             cache = self.tab.settings.cache(values)
-            limit = self.tab.server.max_message_chars
             session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
                                    kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
-                                   max_message_chars=limit)
+                                   limits=InputLimits.of(self.tab.server))
         except (Refused, SnapshotError) as err:
             return self._refused(str(err))
         state = self._new_state(loaded, cache, session)
@@ -184,10 +184,10 @@ class ChatFiles(FilesPanel):
     def on_import(self, values: dict) -> dict:
         try:
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
-            conversation = read_conversation(path.read_bytes())
+            conversation = read_conversation(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)
             state = self.state_type(loaded, self.tab.settings.cache(values),
-                                    conversation.system_prompt or "", self.tab.server.max_message_chars)
+                                    conversation.system_prompt or "", InputLimits.of(self.tab.server))
             state.rebuild(conversation.messages)
         except (Refused, TranscriptError) as err:
             return self._refused(str(err))
@@ -204,7 +204,7 @@ class ChatFiles(FilesPanel):
 
     def _new_state(self, loaded, cache, session) -> ViewState:
         system = next((m["content"] for m in session.messages if m["role"] == "system"), "")
-        return self.state_type(loaded, cache, system, self.tab.server.max_message_chars)
+        return self.state_type(loaded, cache, system, InputLimits.of(self.tab.server))
 
     def _shown(self, state: ViewState) -> dict:
         return {self.tab.chatbot: state.shown(), self.tab.system_prompt: state.system_prompt}
@@ -220,7 +220,7 @@ class StoryFiles(FilesPanel):
     def _new_state(self, loaded, cache, session) -> ViewState:
         # The bible box shows the bible without the blank line the view adds after it.
         bible = session.decode(session.tokens[: session.bible_tokens]).strip()
-        return self.state_type(loaded, cache, bible, self.tab.server.max_message_chars)
+        return self.state_type(loaded, cache, bible, InputLimits.of(self.tab.server))
 
     def _shown(self, state: ViewState) -> dict:
         return {self.tab.bible: state.bible, self.tab.story: state.session.text}

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.inputs import InputLimits
 from h2o_chat.session import StorySession
 
 from .files_panel import StoryFiles
@@ -31,14 +32,14 @@ class StoryState(ViewState):
     """One browser's story: a session whose cache starts with the protected bible."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str,
-                 max_message_chars: int | None = None) -> None:
+                 limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
         self.bible = bible
         self.session = StorySession(loaded.model, loaded.tokenizer,
                                     cache=new_cache(loaded.model, cache),
                                     bible=bible_prefix(bible),
                                     prefill_chunk_size=cache.prefill_chunk_size,
-                                    max_message_chars=max_message_chars)
+                                    limits=limits)
 
     def sessions(self) -> list[StorySession]:
         return [self.session]
@@ -112,8 +113,10 @@ class StoryTab:
         if state is None or not state.continues(bible, story):
             close_state(state)
             warn_dropped_pins(state and state.session)
-            state = StoryState(loaded, self.settings.cache(values), bible,
-                               self.server.max_message_chars)
+            try:
+                state = StoryState(loaded, self.settings.cache(values), bible, InputLimits.of(self.server))
+            except ValueError as err:  # the bible is refused (too long, say)
+                raise gr.Error(str(err)) from None
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         with state.running():
             try:

@@ -1,0 +1,147 @@
+"""Checks on a session file's contents against each other, the model, the cache and the
+limits, made before the cache allocates anything for it.
+
+A session file is trusted for nothing: the counters in ``manifest.json`` decide how
+much memory resuming takes (a layer's ``size`` is the room its buffers reserve), and
+the token list decides how much the next send feeds. The tensors are already in memory
+(as big as the upload); what these checks bound is everything after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .documents import require_int
+from .limits import InputError, InputLimits
+
+MANIFEST = "manifest.json"
+TENSORS = "cache.safetensors"
+# Template text around one message, in tokens (role markers, end of turn): the slack a
+# message's unfed tokens get over its text.
+_TEMPLATE_TOKENS = 64
+_MAX_BYTES_PER_CHAR = 4  # UTF-8; every token decodes to at least one byte
+
+
+def max_unfed_tokens(limits: InputLimits) -> int:
+    """The most tokens a session within ``limits`` leaves unfed once its cache has read
+    anything: one message (template included), or a system prompt or bible not yet read."""
+    return _MAX_BYTES_PER_CHAR * max(limits.message_chars, limits.system_prompt_chars) + _TEMPLATE_TOKENS
+
+
+def max_story_tokens(limits: InputLimits) -> int:
+    return _MAX_BYTES_PER_CHAR * limits.conversation_chars
+
+
+def check_tokens(tokens: Any, fed: Any, vocab: int, most: int, limits: InputLimits,
+                 history: bool) -> tuple[list[int], int]:
+    """The conversation's token ids and how many of them the cache has seen, checked on
+    the tensor (count, range) before it becomes a Python list of ``len`` ints.
+
+    ``most`` bounds the count (from the conversation's text). The tokens past ``fed``
+    are fed on the next send, like a message, so they obey the message limit; only a
+    chat (``history``) whose cache has read nothing yet, started on a history, has
+    more: its whole conversation, within ``most``.
+    """
+    field = f"{TENSORS}: tokens"
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"{field} must be a 1-D tensor of int32 or int64 token ids", field)
+    count = require_int(tokens.numel(), f"{field} (count)", 0, most, "what the conversation's text can take")
+    fed = require_int(fed, f"{MANIFEST}: fed", 0, count, "the tokens in the file")
+    if fed or not history:
+        require_int(count - fed, f"{field} past fed (unfed)", 0, max_unfed_tokens(limits),
+                    "unfed tokens are read on the next send, like a message: "
+                    f"{limits.setting('message_chars')}")
+    if count and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+        raise InputError(f"{field}: ids must be from 0 to {vocab - 1} (the model's vocabulary)", field)
+    return tokens.tolist(), fed
+
+
+def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int, tokens: int,
+                      cache: Any, model: Any, prefill_chunk_size: int) -> None:
+    """The manifest's ``cache`` section and the tensors, against each other, the model's
+    shapes and ``cache``'s budget (its settings were checked already), so that loading
+    the state allocates at most what the cache would hold anyway."""
+    where = f"{MANIFEST}: cache"
+    if not isinstance(state, Mapping):
+        raise InputError(f"{where} must be an object", where)
+    layers = state.get("layers")
+    if not isinstance(layers, Sequence) or len(layers) != len(cache.layers):
+        raise InputError(f"{where}.layers must list the model's {len(cache.layers)} layers", f"{where}.layers")
+    pinned = _pinned_tokens(state.get("protected"), tokens, f"{where}.protected")
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    capacity = cache.policy.capacity
+    for index, info in enumerate(layers):
+        field = f"{where}.layers[{index}]"
+        if not isinstance(info, Mapping):
+            raise InputError(f"{field} must be an object", field)
+        if info.get("initialized") is not True:
+            continue  # an empty layer: the cache's own check refuses any tokens in it
+        require_int(info.get("seen"), f"{field}.seen", fed, fed, "fed: every layer saw every fed token")
+        most = fed if capacity is None else min(fed, capacity + pinned)
+        held = require_int(info.get("held"), f"{field}.held", 0, most,
+                           "the tokens fed" if capacity is None else "the budget plus the pinned tokens")
+        # Buffers reserve room for the next tokens: a cache grows them by doubling up to
+        # its budget plus one prefill chunk, never further.
+        require_int(info.get("size"), f"{field}.size", held, held + max(held, prefill_chunk_size),
+                    "held slots plus room for one prefill chunk or a doubling")
+        _check_layer_tensors(tensors, index, (1, heads, held, head_dim), model.dtype, fed, capacity, pinned)
+
+
+def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:
+    """How many tokens the protected ``spans`` cover, checked to lie within the tokens."""
+    if not isinstance(spans, Sequence) or len(spans) > tokens:
+        raise InputError(f"{field} must be a list of at most {tokens} [start, end] spans", field)
+    checked = []
+    for index, span in enumerate(spans):
+        if not isinstance(span, Sequence) or len(span) != 2:
+            raise InputError(f"{field}[{index}] = {span!r}: must be [start, end]", f"{field}[{index}]")
+        start = require_int(span[0], f"{field}[{index}][0]", 0, tokens - 1, "the tokens in the file")
+        checked.append((start, require_int(span[1], f"{field}[{index}][1]", start + 1, tokens,
+                                           "after start, within the tokens")))
+    covered, reached = 0, 0  # spans may overlap: count each token once
+    for start, end in sorted(checked):
+        covered += max(0, end - max(start, reached))
+        reached = max(reached, end)
+    return covered
+
+
+def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, shape: tuple[int, ...],
+                         dtype: torch.dtype, fed: int, capacity: int | None, pinned: int) -> None:
+    """Layer ``index``'s keys and values of the model's ``shape`` and ``dtype``, all
+    finite; positions among the tokens fed; no more pinned slots than pinned tokens."""
+    prefix = f"{TENSORS}: layers.{index}"
+    for name in ("keys", "values"):
+        tensor = tensors.get(f"layers.{index}.{name}")
+        if tensor is None:
+            continue  # the cache's own check names what is missing
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise InputError(f"{prefix}.{name} is {tensor.dtype} {tuple(tensor.shape)}; the model's "
+                             f"are {dtype} {shape}", f"{prefix}.{name}")
+    for name in ("keys", "values", "scores"):
+        tensor = tensors.get(f"layers.{index}.{name}")
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{prefix}.{name} holds NaN or infinite values", f"{prefix}.{name}")
+    positions = tensors.get(f"layers.{index}.positions")
+    if positions is not None and positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < fed:
+        raise InputError(f"{prefix}.positions must be from 0 to {fed - 1} (the tokens fed)", f"{prefix}.positions")
+    flags = tensors.get(f"layers.{index}.pinned")
+    if flags is not None and flags.dtype == torch.bool and flags.dim() == 3:
+        most = int(flags.sum(-1).max()) if flags.numel() else 0
+        if most > pinned or (capacity is not None and shape[2] - most > capacity):
+            raise InputError(f"{prefix}.pinned marks {most} slots: must be at most the {pinned} protected "
+                             "tokens, with the rest within the budget", f"{prefix}.pinned")
+
+
+def check_template_text(text: str, messages: list[dict[str, str]], tokenizer: Any) -> None:
+    """A chat's ``template_text`` must be how the chat template renders its messages
+    (up to a reply cut short): it is what the next turn appends to."""
+    after = tokenizer.apply_chat_template(messages + [{"role": "user", "content": ""}], tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(text):
+        raise InputError(f"{MANIFEST}: template_text is not the chat template's rendering of the "
+                         "messages", f"{MANIFEST}: template_text")
