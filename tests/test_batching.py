@@ -116,7 +116,9 @@ def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
         return session, reply
 
     alone = [chat(TakeTurns(model), i) for i in range(4)]
-    scheduler = BatchScheduler(model)
+    # A long gather: each step waits for every session in a turn, so which rows batch
+    # together does not depend on how busy the machine is.
+    scheduler = BatchScheduler(model, gather_s=1.0)
     together = [None] * 4
 
     def run(index):
@@ -137,7 +139,7 @@ def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
 
 def test_stopping_one_row_leaves_the_others_as_alone(smollm):
     model, tokenizer = smollm
-    scheduler = BatchScheduler(model)
+    scheduler = BatchScheduler(model, gather_s=1.0)
     sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
                             runner=scheduler) for _ in range(3)]
     long = dict(temperature=0, max_new_tokens=40)
