@@ -3,10 +3,12 @@ API asks for its key."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from openai import OpenAI
 
-from .browser_support import running_app
+from .browser_support import configure, messages, running_app, send
 
 
 def test_the_page_and_the_api_share_one_port_each_with_its_own_login(monkeypatch, tmp_path):
@@ -21,8 +23,8 @@ def test_the_page_and_the_api_share_one_port_each_with_its_own_login(monkeypatch
         assert page.status_code == 200 and "gradio" in page.text.lower()
         # The page's own API wants the login; the OpenAI API wants the key.
         assert httpx.get(url + "gradio_api/info").status_code == 401
-        login = httpx.post(url + "login", data={"username": "ann", "password": "s3cret"})
-        assert login.status_code == 200
+        page_user = httpx.Client(base_url=url)
+        assert page_user.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
         assert httpx.get(url + "v1/models").status_code == 401
         client = OpenAI(base_url=url + "v1", api_key="k-123", max_retries=0, timeout=300)
         reply = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}],
@@ -30,5 +32,57 @@ def test_the_page_and_the_api_share_one_port_each_with_its_own_login(monkeypatch
         assert reply.choices[0].message.content and reply.usage.completion_tokens <= 4
         assert httpx.get(url + "health").json()["status"] == "ok"
         # The page's request-size limit still holds in front of the mounted UI.
-        too_big = httpx.post(url + "gradio_api/upload", content=b"x" * (2**20 + 1))
+        too_big = page_user.post("gradio_api/upload", content=b"x" * (2**20 + 1),
+                                 headers={"content-type": "multipart/form-data; boundary=x"})
         assert too_big.status_code == 413 and "server.max_request_mb" in too_big.text
+        page_user.close()
+
+
+def test_with_a_login_every_page_route_wants_it_and_failed_logins_wait(monkeypatch, tmp_path):
+    monkeypatch.setenv("H2O_CHAT_USERNAME", "ann")
+    monkeypatch.setenv("H2O_CHAT_PASSWORD", "s3cret")
+    config = tmp_path / "config.yaml"
+    config.write_text("server:\n  api_max_request_mb: 1\n")
+    with running_app("--config", str(config)) as url, httpx.Client(base_url=url) as guest, \
+            httpx.Client(base_url=url) as ann:
+        # Routes Gradio itself leaves open act on sessions: closed without the login.
+        open_before = [("POST", "gradio_api/cancel"), ("GET", "gradio_api/heartbeat/abc"),
+                       ("GET", "gradio_api/startup-events"), ("POST", "gradio_api/reset")]
+        for method, path in open_before:
+            answer = guest.request(method, path)
+            assert (answer.status_code, answer.json()) == (401, {"detail": "Not authenticated: log in first"}), path
+        assert guest.get("").status_code == 200  # the login page itself
+        # A wrong password, then a second try at once: refused until the wait is over.
+        assert guest.post("login", data={"username": "ann", "password": "nope"}).status_code == 400
+        early = guest.post("login", data={"username": "ann", "password": "s3cret"})
+        assert early.status_code == 429 and "too many failed logins from this address" in early.json()["detail"]
+        time.sleep(0.6)
+        assert guest.post("login", data={"username": "ann", "password": "nope"}).status_code == 400
+        assert guest.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 429
+        time.sleep(1.1)  # the second failure doubled the wait
+        assert ann.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
+        assert ann.get("gradio_api/startup-events").status_code != 401
+        assert ann.get("gradio_api/info").status_code == 200
+        # A chunked JSON body over the limit: 413, not Gradio's 400.
+        chunks = iter([b'{"data": ["' + b"x" * 2**19, b"x" * 2**19, b"x" * 2**19 + b'"]}'])
+        too_big = ann.post("gradio_api/queue/join", content=chunks, headers={"content-type": "application/json"})
+        assert too_big.status_code == 413 and "server.api_max_request_mb" in too_big.text
+
+
+def test_the_login_page_logs_in_and_the_chat_answers(browser, monkeypatch):
+    monkeypatch.setenv("H2O_CHAT_USERNAME", "ann")
+    monkeypatch.setenv("H2O_CHAT_PASSWORD", "s3cret")
+    with running_app() as url:
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        errors = []
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        page.goto(url)
+        page.get_by_label("username").fill("ann")
+        page.get_by_label("password").fill("s3cret")
+        page.get_by_role("button", name="Login").click()
+        page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
+        configure(page, max_new_tokens=8)
+        send(page, "#chat-input", "#chat-send", "Say hello.")
+        assert messages(page, "chatbot", "bot")[0].strip()
+        assert errors == []
+        page.context.close()

@@ -12,7 +12,7 @@ from h2o_chat.config import AppConfig, ServerConfig
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
-from .limits import RequestSizeLimit
+from .limits import LoginGate, RequestSizeLimit
 from .provider import ModelProvider
 from .settings import Settings
 from .story_tab import StoryTab
@@ -100,5 +100,9 @@ def launch_options(server: ServerConfig) -> dict:
         server_name=server.host, server_port=server.port,
         auth=(server.username, server.password) if server.username is not None else None,
         max_file_size=max_bytes,
-        app_kwargs={"middleware": [Middleware(RequestSizeLimit, max_bytes=max_bytes)]},
+        app_kwargs={"middleware": [
+            Middleware(LoginGate),
+            Middleware(RequestSizeLimit, max_upload_bytes=max_bytes,
+                       max_json_bytes=server.api_max_request_mb * 2**20),
+        ]},
     )

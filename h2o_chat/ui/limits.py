@@ -1,7 +1,17 @@
-"""Server-side limits on what a request may carry, enforced before Gradio reads it."""
+"""What the page's server enforces before Gradio sees a request: body sizes and the login.
+
+Both sit in front of the app as ASGI middleware, because the page's own checks can be
+bypassed by any client and Gradio leaves some routes open: with a login configured it
+still answered ``/gradio_api/cancel``, ``/heartbeat`` and ``/startup-events`` without
+one, and it does not throttle ``/login``.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections import OrderedDict
+from http.cookies import CookieError, SimpleCookie
 from typing import Any, Callable
 
 Scope = dict[str, Any]
@@ -13,53 +23,140 @@ class RequestTooLarge(Exception):
     pass
 
 
-class RequestSizeLimit:
-    """ASGI middleware: answers 413 to an HTTP request whose body exceeds ``max_bytes``.
+async def _answer(send: Send, status: int, text: str, headers: tuple = ()) -> None:
+    body = json.dumps({"detail": text}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
-    The page's own checks can be bypassed by any client, and Starlette reads a whole
-    body into memory, so the bound has to sit in front of the app: a declared
-    Content-Length over the limit is refused before reading, and a chunked body is
-    counted as it streams in.
+
+class RequestSizeLimit:
+    """Answers 413 to a request whose body exceeds its limit: ``max_upload_bytes`` for
+    file uploads (multipart, which Gradio streams to disk), ``max_json_bytes`` for any
+    other body, which the server parses in memory at a few times its size.
+
+    A declared Content-Length over the limit is refused before reading; a chunked body is
+    counted as it streams in, and once over the limit whatever the app answers (it may
+    turn the aborted read into a 400) is replaced by the 413.
     """
 
-    def __init__(self, app: Callable, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Callable, max_upload_bytes: int, max_json_bytes: int) -> None:
+        self.app, self.max_upload_bytes, self.max_json_bytes = app, max_upload_bytes, max_json_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send)
+        headers = dict(scope.get("headers") or [])
+        upload = headers.get(b"content-type", b"").startswith(b"multipart/form-data")
+        limit, setting = ((self.max_upload_bytes, "server.max_request_mb") if upload
+                          else (self.max_json_bytes, "server.api_max_request_mb"))
+        refusal = (f"request body over the server's limit of {limit // 2**20} MB ({setting})")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _answer(send, 413, refusal)
             return
-        received = 0
-        started = False
+        received, over, started = 0, False, False
 
         async def counted_receive() -> dict[str, Any]:
-            nonlocal received
+            nonlocal received, over
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
+                    over = True
                     raise RequestTooLarge
             return message
 
-        async def tracked_send(message: dict[str, Any]) -> None:
+        async def guarded_send(message: dict[str, Any]) -> None:
             nonlocal started
+            if over:
+                return  # the app's answer to an aborted read: the 413 below replaces it
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, counted_receive, tracked_send)
+            await self.app(scope, counted_receive, guarded_send)
         except RequestTooLarge:
-            if not started:
-                await self._refuse(send)
+            pass
+        if over and not started:
+            await _answer(send, 413, refusal)
 
-    async def _refuse(self, send: Send) -> None:
-        body = (f"request body over the server's limit of {self.max_bytes // 2**20} MB "
-                "(server.max_request_mb)").encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+
+# Paths the login page itself needs; every other request needs the login's cookie.
+_OPEN_PATHS = {"/", "/login", "/login/", "/logout", "/config", "/config/", "/favicon.ico",
+               "/theme.css", "/robots.txt", "/manifest.json", "/gradio_api/info", "/gradio_api/info/"}
+_OPEN_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
+
+
+class LoginGate:
+    """With a login configured: every request outside the login page's own needs must
+    carry the cookie of a login, and failed logins are throttled per client address.
+
+    The cookie check asks the Gradio app (``scope["app"]``, set by Starlette before the
+    middleware runs) which tokens its logins issued. After ``n`` failed logins in a row an
+    address must wait ``base_delay_s * 2**(n - 1)`` seconds (at most ``max_delay_s``)
+    before its next try; trying earlier is answered 429 at once, so a guessing client
+    holds no server resources while it waits.
+    """
+
+    def __init__(self, app: Callable, base_delay_s: float = 0.5, max_delay_s: float = 60.0,
+                 max_addresses: int = 10_000) -> None:
+        self.app = app
+        self.base_delay_s, self.max_delay_s, self.max_addresses = base_delay_s, max_delay_s, max_addresses
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, last)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or getattr(scope.get("app"), "auth", None) is None:
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if path in ("/login", "/login/") and scope.get("method") == "POST":
+            await self._login(scope, receive, send)
+        elif path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES) or _logged_in(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await _answer(send, 401, "Not authenticated: log in first")
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
+        address = (scope.get("client") or ("unknown",))[0]
+        count, last = self._failures.get(address, (0, 0.0))
+        wait = 0.0 if count == 0 else min(self.max_delay_s, self.base_delay_s * 2 ** (count - 1))
+        left = last + wait - time.monotonic()
+        if left > 0:
+            await _answer(send, 429, f"too many failed logins from this address: try again in "
+                                     f"{left:.1f} s", headers=((b"retry-after", str(int(left) + 1).encode()),))
+            return
+        status = 0
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, watched_send)
+        self._failures.pop(address, None)
+        if status >= 400:
+            self._failures[address] = (count + 1, time.monotonic())
+            while len(self._failures) > self.max_addresses:
+                self._failures.popitem(last=False)  # the oldest failure goes first
+
+
+def _logged_in(scope: Scope) -> bool:
+    app = scope.get("app")
+    cookie_id, tokens = getattr(app, "cookie_id", None), getattr(app, "tokens", None)
+    if cookie_id is None or not tokens:
+        return False
+    header = dict(scope.get("headers") or []).get(b"cookie", b"").decode("latin-1")
+    try:
+        cookies = SimpleCookie(header)
+    except CookieError:
+        return False
+    for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
+        if name in cookies and cookies[name].value in tokens:
+            return True
+    return False
