@@ -1,6 +1,8 @@
 """What several test modules share: feeding a model, injecting failures, session checks,
 and the path of the shipped text excerpt."""
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,3 +63,12 @@ def assert_consistent(session):
 def assert_at_rest_within_budget(session):
     stats = session.stats().cache
     assert all(layer.held <= stats.budget for layer in stats.layers), (stats.budget, stats.held)
+
+
+def together(*calls: Callable[[], None]) -> None:
+    """Run ``calls`` at once, each in a thread of its own, and wait for all of them."""
+    threads = [threading.Thread(target=call) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

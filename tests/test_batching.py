@@ -1,14 +1,12 @@
 """Batched decoding: conversations decoding together give what each gives alone."""
 
-import threading
-
 import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
 
-from .helpers import GREEDY, assert_consistent, fail_next_update
+from .helpers import GREEDY, assert_consistent, fail_next_update, together
 
 # Four conversations unlike each other in every way a row can differ.
 ROWS = [
@@ -119,18 +117,14 @@ def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
     # A long gather: each step waits for every session in a turn, so which rows batch
     # together does not depend on how busy the machine is.
     scheduler = BatchScheduler(model, gather_s=1.0)
-    together = [None] * 4
+    batched = [None] * 4
 
     def run(index):
-        together[index] = chat(scheduler, index)
+        batched[index] = chat(scheduler, index)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together(*(lambda i=i: run(i) for i in range(4)))
     assert scheduler.batched_rows > 0  # decode steps really ran as batches
-    for (session, reply), (alone_session, alone_reply) in zip(together, alone):
+    for (session, reply), (alone_session, alone_reply) in zip(batched, alone):
         assert reply == alone_reply
         assert session.tokens == alone_session.tokens
         assert kept(session.cache) == kept(alone_session.cache)
@@ -154,11 +148,7 @@ def test_stopping_one_row_leaves_the_others_as_alone(smollm):
                 sessions[1].stop()
         replies[index] = "".join(received)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together(*(lambda i=i: run(i) for i in range(3)))
     alone = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
                         runner=TakeTurns(model))
     expected = "".join(alone.send("Count from one to one hundred in words.", **long))
@@ -186,11 +176,7 @@ def test_a_failed_batched_pass_reaches_every_row_and_each_stays_usable(smollm):
         except RuntimeError as err:
             errors[index] = str(err)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together(*(lambda i=i: run(i) for i in range(2)))
     assert errors == ["injected failure", "injected failure"]
     for session in sessions:
         assert_consistent(session)
@@ -222,11 +208,7 @@ def test_a_long_prefill_does_not_hold_up_the_others(smollm, chunk):
         "".join(talker.send("Say hello.", temperature=0, max_new_tokens=8))
         finished["talker reply"] = scheduler.steps
 
-    threads = [threading.Thread(target=read), threading.Thread(target=talk)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together(read, talk)
     assert reader.fed > 5 * chunk
     assert finished["talker reply"] < finished["reader first token"]
     # Read in pieces between the talker's steps, the paste left the cache as one pass
