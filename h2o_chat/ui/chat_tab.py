@@ -14,6 +14,7 @@ from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
 from .view_state import (
@@ -111,13 +112,16 @@ class ChatTab:
                        *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
-        gr.on([self.text.submit, self.send.click], self.on_send, turn_inputs, outputs,
+        gr.on([self.text.submit, self.send.click], refusing(self.on_send, self.chatbot),
+              turn_inputs, outputs, **generating(self.server))
+        gr.on([self.regenerate.click, self.chatbot.retry],
+              refusing(self.on_regenerate, self.chatbot), turn_inputs, outputs,
               **generating(self.server))
-        gr.on([self.regenerate.click, self.chatbot.retry], self.on_regenerate, turn_inputs,
-              outputs, **generating(self.server))
-        self.chatbot.edit(self.on_edit, turn_inputs, outputs, **generating(self.server))
-        gr.on([self.undo.click, self.chatbot.undo], self.on_undo, turn_inputs, outputs)
-        gr.on([self.new.click, self.chatbot.clear], self.on_new,
+        self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
+                          **generating(self.server))
+        gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
+              turn_inputs, outputs)
+        gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
@@ -129,7 +133,7 @@ class ChatTab:
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
-            raise gr.Error("Type a message first.")
+            raise Refusal("Type a message first.")
         state = values[self.state]
         if state is None:
             if not self.provider.ready:
@@ -144,7 +148,7 @@ class ChatTab:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
         if index is None:
-            raise gr.Error("Nothing to regenerate yet.")
+            raise Refusal("Nothing to regenerate yet.")
         with state.running():
             shown = state.shown()
             state.rebuild(shown[:index])
@@ -153,7 +157,7 @@ class ChatTab:
     def on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
         state = values[self.state]
         if state is None:
-            raise gr.Error("Nothing to edit yet.")
+            raise Refusal("Nothing to edit yet.")
         with state.running():
             shown, index, text = state.shown(), edit.index, _text_of(edit.value)
             if isinstance(index, (tuple, list)):
@@ -187,7 +191,7 @@ class ChatTab:
             stream = state.session.send(text, pin=bool(values[self.pin_message]),
                                         **self.settings.sampling(values))
         except ValueError as err:
-            raise gr.Error(str(err)) from None
+            raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
         yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False}
         yield from stream_turn(

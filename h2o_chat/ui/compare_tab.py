@@ -18,6 +18,7 @@ from .fidelity_panel import FidelityPanel
 from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import Interleaved, Throttle
 from .view_state import (
@@ -125,20 +126,21 @@ class CompareTab:
                 *self.fidelity.outputs, *self.map.outputs]
 
     def _wire(self) -> None:
-        gr.on([self.text.submit, self.send.click], self.on_send,
+        gr.on([self.text.submit, self.send.click], refusing(self.on_send, self.full_chat),
               {self.state, self.text, self.map.live, self.fidelity.enabled,
                *self.settings.components, *self.map.pickers},
               self._outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
-        self.reset.click(self.on_reset, {self.state, *self.settings.components}, self._outputs)
+        self.reset.click(refusing(self.on_reset, self.full_chat),
+                         {self.state, *self.settings.components}, self._outputs)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
-            raise gr.Error("Type a message first.")
+            raise Refusal("Type a message first.")
         if not self.provider.ready:
             gr.Info("Waiting for the model to load…")
         loaded = wait_for_model(self.provider)
@@ -155,7 +157,7 @@ class CompareTab:
             try:
                 streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
             except ValueError as err:
-                raise gr.Error(str(err)) from None
+                raise Refusal(str(err)) from None
             turn = state.turns = state.turns + 1
             shown = {side: state.shown(side) + [{"role": "user", "content": text}]
                      for side in state.sides}
@@ -177,23 +179,26 @@ class CompareTab:
 
     def _views(self, values: dict, state: CompareState, busy: dict[str, float], turn: int,
                final: bool) -> dict:
-        """Both gauges, the per-turn plots, the divergence and (if live or at the end)
-        the bounded side's map, all from stats taken now, between two tokens."""
+        """Both gauges, the divergence, at the end the per-turn plots, and (if live or at
+        the end) the bounded side's map, all from stats taken now, between two tokens."""
         snapshots = {BOUNDED: state.take(), FULL: Snapshot.of(state.sides[FULL])}
         gauges = {
             side: Gauge.of(state.labels[side], snap.stats,
                            decode_rate(snap.stats.generated, busy[side], snap.stats.prefill_seconds))
             for side, snap in snapshots.items()
         }
-        state.series.record(turn, list(gauges.values()))
-        frame, order = state.series.frame(), state.series.order()
         update = {
             self.bounded_gauge: gauge_html(gauges[BOUNDED]),
             self.full_gauge: gauge_html(gauges[FULL]),
-            self.memory_plot: gr.LinePlot(frame, sort=order),
-            self.slots_plot: gr.LinePlot(frame, sort=order),
             self.divergence: self._divergence(state, turn),
         }
+        if final:
+            # Once per turn: the chart library re-renders a whole plot per update, which
+            # on every throttled update kept the page's main thread busy for seconds.
+            state.series.record(turn, list(gauges.values()))
+            frame, order = state.series.frame(), state.series.order()
+            update |= {self.memory_plot: gr.LinePlot(frame, sort=order),
+                       self.slots_plot: gr.LinePlot(frame, sort=order)}
         update |= (self.fidelity.render(state) if state.probe else
                    self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from the next message"))
         if final or values[self.map.live]:
@@ -224,5 +229,8 @@ class CompareTab:
                 self.full_chat: [],
                 self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache)),
                 self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
-                self.memory_plot: None, self.slots_plot: None, **self.fidelity.cleared(),
+                # An empty frame, not None: a plot set to None loses its chart element
+                # while the chart library still measures it (hundreds of page errors).
+                self.memory_plot: TurnSeries().frame(), self.slots_plot: TurnSeries().frame(),
+                **self.fidelity.cleared(),
                 **{output: "" for output in self.map.outputs}}

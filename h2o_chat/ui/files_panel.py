@@ -12,7 +12,6 @@ views.
 
 from __future__ import annotations
 
-import html
 import os
 import tempfile
 import time
@@ -26,6 +25,7 @@ from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
 from .map_panel import gauge_and_map
+from .refusals import Refusal, warn
 from .settings import new_cache
 from .view_state import ViewState, close_state, wait_for_model
 
@@ -40,10 +40,6 @@ MAX_CONVERSATION_BYTES = 5 * 1024**2
 _EXPORTS = tempfile.TemporaryDirectory(prefix="h2o-chat-files-")
 
 
-class Refused(Exception):
-    """A file the view does not take; the message is shown to the user."""
-
-
 def export_path(kind: str, suffix: str) -> Path:
     """A new file path for a download, named after the view and the time."""
     folder = tempfile.mkdtemp(dir=_EXPORTS.name)
@@ -52,10 +48,10 @@ def export_path(kind: str, suffix: str) -> Path:
 
 def checked_upload(path: str | None, limit: int) -> Path:
     if not path:
-        raise Refused("no file was uploaded")
+        raise Refusal("no file was uploaded")
     size = os.path.getsize(path)
     if size > limit:
-        raise Refused(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
+        raise Refusal(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
     return Path(path)
 
 
@@ -112,7 +108,7 @@ class FilesPanel:
             session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
                                    kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
                                    max_message_chars=limit)
-        except (Refused, SnapshotError) as err:
+        except (Refusal, SnapshotError) as err:
             return self._refused(str(err))
         state = self._new_state(loaded, cache, session)
         state.session = session
@@ -143,7 +139,7 @@ class FilesPanel:
 
     def _refused(self, message: str, outcome: str = "Not loaded") -> dict:
         """Tell the user, change nothing else (the view keeps its session)."""
-        gr.Warning(html.escape(message))
+        warn(message)
         return {self.status: f"**{outcome}:** {message}"}
 
 
@@ -189,7 +185,7 @@ class ChatFiles(FilesPanel):
             state = self.state_type(loaded, self.tab.settings.cache(values),
                                     conversation.system_prompt or "", self.tab.server.max_message_chars)
             state.rebuild(conversation.messages)
-        except (Refused, TranscriptError) as err:
+        except (Refusal, TranscriptError) as err:
             return self._refused(str(err))
         except ValueError as err:  # the session refused the history (e.g. a message too long)
             return self._refused(f"conversation file: {err}")

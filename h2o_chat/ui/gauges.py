@@ -126,9 +126,9 @@ def gauge_html(g: Gauge) -> str:
 
 @dataclass
 class TurnSeries:
-    """KV memory and slots held per turn of several caches, for the line plots. The
-    turn in progress is recorded again on every update, so the plots move live. Turns are
-    labels rather than numbers, so the axis never shows a turn 1.5; ``order`` sorts them."""
+    """KV memory and slots held per turn of several caches, for the line plots. A turn
+    recorded again replaces its rows. Turns are labels rather than numbers, so the axis
+    never shows a turn 1.5; ``order`` sorts them."""
 
     rows: list[dict] = field(default_factory=list)
 

@@ -16,6 +16,7 @@ import gradio as gr
 from h2o_chat.cache import CacheStats
 from h2o_chat.session import Pin, Session
 
+from .refusals import Refusal, warn
 from .view_state import ViewState
 
 # For the panel's gr.HTML (css_template, scoped to it).
@@ -164,7 +165,7 @@ class PinPanel:
             with state.running():
                 change(state.map_session())
                 update = self.render(state.map_session()) | self._refresh(values, state)
-        except (ValueError, RuntimeError, gr.Error) as err:
-            gr.Warning(html.escape(str(err)))
+        except (ValueError, RuntimeError, Refusal) as err:
+            warn(str(err))
             return self.unchanged
         return update | ({self.text: ""} if clear_text else {})

@@ -15,6 +15,7 @@ from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
 from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
@@ -89,13 +90,13 @@ class StoryTab:
     def _wire(self) -> None:
         outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
         self.go.click(
-            self.on_continue,
+            refusing(self.on_continue, self.story),
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
         self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
                         show_progress="hidden")
-        self.new.click(self.on_new, {self.state, *self.settings.components}, outputs)
+        self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
         self.map.wire(self.state)
         self.files.wire(self, StoryState, GAUGE_LABEL)
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
@@ -104,7 +105,7 @@ class StoryTab:
     def on_continue(self, values: dict) -> Iterator[dict]:
         bible, story = values[self.bible], values[self.story]
         if not story.strip() and not bible.strip():
-            raise gr.Error("Write a beginning (or a story bible) to continue from.")
+            raise Refusal("Write a beginning (or a story bible) to continue from.")
         if not self.provider.ready:
             gr.Info("Waiting for the model to load…")
         loaded = wait_for_model(self.provider)
@@ -119,7 +120,7 @@ class StoryTab:
             try:
                 stream = state.session.send(story[len(state.session.text):], **sampling)
             except ValueError as err:
-                raise gr.Error(str(err)) from None
+                raise Refusal(str(err)) from None
             yield {self.state: state}
             yield from stream_turn(
                 stream,

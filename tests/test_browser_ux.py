@@ -1,0 +1,97 @@
+"""What a new user meets first, in the real app and Debian's chromium: sampling that
+varies, refusals as one message, a compare view that stays responsive and resets
+cleanly."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from .browser_support import (
+    configure, gauge, messages, open_app, open_tab, page_errors, running_app, send,
+    set_number, show_settings, start_and_wait, toasts,
+)
+
+
+@pytest.fixture(scope="module")
+def app_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("app") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def app_url(app_log):
+    with running_app(log_path=app_log) as url:
+        yield url
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = open_app(browser, app_url)
+    yield page
+    page.context.close()
+
+
+def _expect_toast(page, text: str) -> None:
+    expect(page.locator("[data-testid=toast-body]", has_text=text)).to_have_count(1)
+
+
+def _no_error_pills(page) -> None:
+    """No output is marked failed (Gradio paints a red "Error" over each)."""
+    expect(page.get_by_text("Error", exact=True)).to_have_count(0)
+
+
+def test_empty_seed_samples_anew_and_a_fixed_seed_repeats(page):
+    show_settings(page)
+    assert page.input_value("#seed textarea") == ""  # the config's seed: null, i.e. random
+    configure(page, temperature=1.0, top_p=1.0, max_new_tokens=24)
+    send(page, "#chat-input", "#chat-send", "Tell me a one-line story about a cat.")
+    replies = [messages(page, "chatbot", "bot")[-1]]
+    for _ in range(2):
+        start_and_wait(page, "#chat-regenerate")
+        replies.append(messages(page, "chatbot", "bot")[-1])
+    assert len(set(replies)) > 1, replies  # three identical samples: the seed was fixed
+    set_number(page, "seed", 7)
+    fixed = []
+    for _ in range(2):
+        start_and_wait(page, "#chat-regenerate")
+        fixed.append(messages(page, "chatbot", "bot")[-1])
+    assert fixed[0] == fixed[1]
+
+
+def test_refusals_are_one_message_naming_the_setting(page, app_log):
+    configure(page, heavy=-5, max_new_tokens=8)
+    page.fill("#chat-input textarea", "Hello there.")
+    page.click("#chat-send")
+    _expect_toast(page, "cache.heavy = -5: must be an integer >= 0")
+    _no_error_pills(page)
+    assert page.input_value("#chat-input textarea") == "Hello there."  # kept, to send again
+    page.fill("#chat-input textarea", "   ")
+    page.click("#chat-send")
+    _expect_toast(page, "Type a message first.")
+    _no_error_pills(page)
+    set_number(page, "heavy", 16)
+    send(page, "#chat-input", "#chat-send", "Hello there.")  # every control still works
+    assert messages(page, "chatbot", "user") == ["Hello there."]
+    assert messages(page, "chatbot", "bot")[0].strip()
+    _no_error_pills(page)
+    assert "Traceback" not in app_log.read_text()
+
+
+def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
+    errors = page_errors(page)
+    open_tab(page, "Compare")
+    configure(page, heavy=16, recent=16, max_new_tokens=16)
+    for question in ["Name a fruit.", "What colour is it?"]:
+        send(page, "#compare-input", "#compare-send", question)
+    for plot in ("compare-memory-plot", "compare-slots-plot"):
+        assert page.locator(f"#{plot} canvas, #{plot} svg").count() > 0
+    assert int(gauge(page, "compare-full-gauge")["held"]) > int(gauge(page, "compare-bounded-gauge")["held"])
+    page.click("#compare-reset")
+    page.wait_for_function("() => !document.querySelector('#compare-full-chat [data-testid=bot]')")
+    page.wait_for_function(
+        "() => document.querySelector('#compare-bounded-gauge .gauge').dataset.state === 'empty'")
+    page.wait_for_timeout(1500)  # what a reset throws arrives after the views clear
+    send(page, "#compare-input", "#compare-send", "Name a colour.")
+    assert len(messages(page, "compare-full-chat", "bot")) == 1
+    assert errors == []
+    assert not toasts(page)
