@@ -42,7 +42,7 @@ def _no_error_pills(page) -> None:
 
 def test_empty_seed_samples_anew_and_a_fixed_seed_repeats(page):
     show_settings(page)
-    assert page.input_value("#seed textarea") == ""  # the config's seed: null, i.e. random
+    assert page.locator("#seed").locator("input, textarea").input_value() == ""  # config: null
     configure(page, temperature=1.0, top_p=1.0, max_new_tokens=24)
     send(page, "#chat-input", "#chat-send", "Tell me a one-line story about a cat.")
     replies = [messages(page, "chatbot", "bot")[-1]]
@@ -95,3 +95,43 @@ def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
     assert len(messages(page, "compare-full-chat", "bot")) == 1
     assert errors == []
     assert not toasts(page)
+
+
+# What must be on screen, without scrolling, in each view at 1366 x 768.
+IN_VIEW = {
+    "Chat": ["chat-input", "chat-send", "chat-regenerate", "chat-undo", "chat-new"],
+    "Compare": ["compare-input", "compare-send", "compare-reset"],
+    "Story": ["story-continue", "story-new"],
+}
+
+
+def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
+    page = open_app(browser, app_url, width=1366, height=768)
+    try:
+        for tab, ids in IN_VIEW.items():
+            open_tab(page, tab)
+            for elem_id in ids:
+                box = page.locator(f"#{elem_id}").bounding_box()
+                assert box and box["y"] + box["height"] <= 768, (elem_id, box)
+        open_tab(page, "Chat")
+        configure(page, max_new_tokens=300)
+        show_settings(page, False)
+        page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+        page.press("#chat-input textarea", "Enter")
+        expect(page.locator("#chat-stop")).to_be_visible()
+        expect(page.locator("#chat-send")).to_be_hidden()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+            ".some(e => e.innerText.length > 20)")
+        page.fill("#chat-input textarea", "And then?")  # a second Enter is answered, not lost
+        page.press("#chat-input textarea", "Enter")
+        _expect_toast(page, "A reply is still streaming: press Stop (or Esc) first.")
+        expect(page.locator("#chat-stop")).to_be_visible()
+        page.keyboard.press("Escape")
+        expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+        expect(page.locator("#chat-stop")).to_be_hidden()
+        assert int(gauge(page, "chat-gauge")["tokens"]) < 250  # stopped well before 300 new
+        assert messages(page, "chatbot", "user") == ["Count from one to two hundred in words."]
+        assert page.input_value("#chat-input textarea") == "And then?"
+    finally:
+        page.context.close()

@@ -9,6 +9,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import ChatSession
 
+from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
@@ -18,7 +19,7 @@ from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
 from .view_state import (
-    ViewState, browser_state, close_state, generating, stop_state, unchanged, wait_for_model,
+    ViewState, browser_state, close_state, generating, unchanged, wait_for_model,
 )
 
 GAUGE_LABEL = "Token counter"
@@ -83,16 +84,18 @@ class ChatTab:
         self.state = browser_state(config.server)
         with gr.Row():
             with gr.Column(scale=3):
-                self.chatbot = gr.Chatbot(label="Chat", height=430, editable="user",
-                                          elem_id="chatbot",
+                # Sized to the window, so the input and its buttons stay in view at 768 px.
+                self.chatbot = gr.Chatbot(label="Chat", height="calc(100vh - 380px)",
+                                          min_height=240, editable="user", elem_id="chatbot",
                                           placeholder="Ask anything. Replies stream token by token.")
-                with gr.Row():
-                    self.text = gr.Textbox(placeholder="Type a message, Enter to send",
+                with gr.Row(equal_height=True):
+                    self.text = gr.Textbox(placeholder="Type a message, Enter to send, Esc to stop",
                                            show_label=False, scale=5, elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")
-                    self.send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                    self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
+                                          elem_id="chat-send")
+                    self.stop = stop_button("chat", self.state)
                 with gr.Row():
-                    self.stop = gr.Button("Stop", elem_id="chat-stop")
                     self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
                     self.undo = gr.Button("Undo", elem_id="chat-undo")
                     self.new = gr.Button("New chat", elem_id="chat-new")
@@ -112,19 +115,25 @@ class ChatTab:
                        *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
-        gr.on([self.text.submit, self.send.click], refusing(self.on_send, self.chatbot),
-              turn_inputs, outputs, **generating(self.server))
-        gr.on([self.regenerate.click, self.chatbot.retry],
-              refusing(self.on_regenerate, self.chatbot), turn_inputs, outputs,
-              **generating(self.server))
-        self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
-                          **generating(self.server))
+        # "multiple": a second Enter while a reply streams is refused with a message,
+        # not dropped silently.
+        sends = [self.text.submit, self.send.click]
+        regenerates = [self.regenerate.click, self.chatbot.retry]
+        swap = SendStopSwap(self.send, self.stop, self.state)
+        swap.on([*sends, *regenerates, self.chatbot.edit])
+        turns = [
+            gr.on(sends, refusing(self.on_send, self.chatbot), turn_inputs, outputs,
+                  trigger_mode="multiple", **generating(self.server)),
+            gr.on(regenerates, refusing(self.on_regenerate, self.chatbot), turn_inputs, outputs,
+                  **generating(self.server)),
+            self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
+                              **generating(self.server)),
+        ]
+        swap.until(turns)
         gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
               turn_inputs, outputs)
         gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
         self.map.wire(self.state)
         self.files.wire(self, ChatState, GAUGE_LABEL)
         self.pins.wire(self.state, lambda values, state: self._views(values, state, True),

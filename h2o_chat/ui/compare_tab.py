@@ -14,6 +14,7 @@ from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.session import ChatSession
 
 from .chat_tab import shown_messages
+from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
 from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from .map_panel import MapPanel
@@ -22,7 +23,7 @@ from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import Interleaved, Throttle
 from .view_state import (
-    Snapshot, ViewState, browser_state, close_state, generating, stop_state, wait_for_model,
+    Snapshot, ViewState, browser_state, close_state, generating, wait_for_model,
 )
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
@@ -89,24 +90,26 @@ class CompareTab:
             "above and one keeping every token, with the same sampling seed; they decode "
             "taking turns token by token. Until the bounded cache starts evicting, the replies "
             "normally match.")
+        # The input right under the replies, both sized to the window: in view at 768 px.
         with gr.Row():
-            with gr.Column():
-                self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache), height=330,
-                                               elem_id="compare-bounded-chat")
-                self.bounded_gauge = gr.HTML(
-                    empty_gauge(bounded_label(config.cache), budget(config.cache)),
-                    css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
-            with gr.Column():
-                self.full_chat = gr.Chatbot(label=FULL_LABEL, height=330,
-                                            elem_id="compare-full-chat")
-                self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
-                                          elem_id="compare-full-gauge")
-        with gr.Row():
-            self.text = gr.Textbox(placeholder="A message for both, Enter to send",
+            self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache),
+                                           height="calc(100vh - 460px)", min_height=200,
+                                           elem_id="compare-bounded-chat")
+            self.full_chat = gr.Chatbot(label=FULL_LABEL, height="calc(100vh - 460px)",
+                                        min_height=200, elem_id="compare-full-chat")
+        with gr.Row(equal_height=True):
+            self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
                                    show_label=False, scale=5, elem_id="compare-input")
-            self.send = gr.Button("Send to both", variant="primary", elem_id="compare-send")
-            self.stop = gr.Button("Stop", elem_id="compare-stop")
-            self.reset = gr.Button("Reset", elem_id="compare-reset")
+            self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,
+                                  elem_id="compare-send")
+            self.stop = stop_button("compare", self.state)
+            self.reset = gr.Button("Reset", scale=0, min_width=100, elem_id="compare-reset")
+        with gr.Row():
+            self.bounded_gauge = gr.HTML(
+                empty_gauge(bounded_label(config.cache), budget(config.cache)),
+                css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
+            self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
+                                      elem_id="compare-full-gauge")
         self.divergence = gr.HTML("", elem_id="compare-divergence")
         with gr.Row():
             self.memory_plot = gr.LinePlot(x="turn", y="KV MB", color="cache", height=240,
@@ -126,12 +129,14 @@ class CompareTab:
                 *self.fidelity.outputs, *self.map.outputs]
 
     def _wire(self) -> None:
-        gr.on([self.text.submit, self.send.click], refusing(self.on_send, self.full_chat),
-              {self.state, self.text, self.map.live, self.fidelity.enabled,
-               *self.settings.components, *self.map.pickers},
-              self._outputs, **generating(self.server))
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
+        sends = [self.text.submit, self.send.click]
+        swap = SendStopSwap(self.send, self.stop, self.state)
+        swap.on(sends)
+        turn = gr.on(sends, refusing(self.on_send, self.full_chat),
+                     {self.state, self.text, self.map.live, self.fidelity.enabled,
+                      *self.settings.components, *self.map.pickers},
+                     self._outputs, trigger_mode="multiple", **generating(self.server))
+        swap.until([turn])
         self.reset.click(refusing(self.on_reset, self.full_chat),
                          {self.state, *self.settings.components}, self._outputs)
         self.map.wire(self.state)

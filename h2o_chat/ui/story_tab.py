@@ -10,6 +10,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.session import StorySession
 
+from .controls import SendStopSwap, stop_button
 from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
@@ -18,7 +19,7 @@ from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
+from .view_state import ViewState, browser_state, close_state, generating, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -65,14 +66,14 @@ class StoryTab:
                     placeholder="e.g. Mira: a lighthouse keeper on a northern island. "
                                 "Tomas: her younger brother, a fisherman.")
                 self.story = gr.Textbox(
-                    lines=14, max_lines=30, elem_id="story-text",
+                    lines=10, max_lines=30, elem_id="story-text",
                     label="Story so far: edit it freely, then continue",
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
                 self.tokens = gr.Slider(1, 1024, value=64, step=1,
                                         label="tokens per continue", elem_id="story-tokens")
                 with gr.Row():
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
-                    self.stop = gr.Button("Stop", elem_id="story-stop")
+                    self.stop = stop_button("story", self.state)
                     self.new = gr.Button("New story", elem_id="story-new")
             with gr.Column(scale=2):
                 self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
@@ -89,13 +90,14 @@ class StoryTab:
 
     def _wire(self) -> None:
         outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
-        self.go.click(
+        swap = SendStopSwap(self.go, self.stop, self.state)
+        swap.on([self.go.click])
+        turn = self.go.click(
             refusing(self.on_continue, self.story),
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
+        swap.until([turn])
         self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
         self.map.wire(self.state)
         self.files.wire(self, StoryState, GAUGE_LABEL)

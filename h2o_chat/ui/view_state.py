@@ -81,7 +81,7 @@ class ViewState:
         """Hold the view's turn: two turns (or a turn and an edit) never overlap."""
         # A plain Lock, not an RLock: Gradio may resume a generator in another thread.
         if not self._turn.acquire(blocking=False):
-            raise Refusal("A reply is still streaming: press Stop first.")
+            raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
         try:
             yield
         finally:
