@@ -135,3 +135,27 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
         assert page.input_value("#chat-input textarea") == "And then?"
     finally:
         page.context.close()
+
+
+def test_one_budget_that_follows_the_settings(page):
+    open_tab(page, "Compare")
+    configure(page, heavy=16, recent=16)
+    # Before the first message the bounded side's title and gauge follow the settings.
+    expect(page.locator("#compare-bounded-chat")).to_contain_text("h2o cache (36 slots)")
+    expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget", "36")
+    open_tab(page, "Story")
+    expect(page.locator("#story-gauge .gauge")).to_have_attribute("data-budget", "36")
+    page.fill("#story-text textarea", "The storm reached the island at dusk.")
+    set_number(page, "story-tokens", 48)
+    start_and_wait(page, "#story-continue")
+    assert gauge(page, "story-gauge")["state"] == "at-budget"
+    # Pin the newest words (still held everywhere): the gauge keeps saying the cache is
+    # evicting, and "budget" stays the settings' 36 with the pins on top.
+    newest = " ".join(page.input_value("#story-text textarea").split()[-3:])
+    page.fill("#story-pin-text textarea", newest)
+    page.click("#story-pin")
+    expect(page.locator("#story-pin-list .pins")).to_have_attribute("data-count", "1")
+    expect(page.locator("#story-gauge")).to_contain_text("tokens evicted per layer and head")
+    pinned = page.locator("#story-pin-list .pins").get_attribute("data-pinned")
+    expect(page.locator("#story-gauge")).to_contain_text(f"budget 36 + {pinned} pinned")
+    assert gauge(page, "story-gauge")["state"] == "at-budget"

@@ -134,9 +134,11 @@ class ChatTab:
               turn_inputs, outputs)
         gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
+        self.settings.follow(self.state, [self.gauge],
+                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
         self.map.wire(self.state)
-        self.files.wire(self, ChatState, GAUGE_LABEL)
-        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+        self.files.wire(self, ChatState)
+        self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def on_send(self, values: dict) -> Iterator[dict]:
@@ -176,7 +178,7 @@ class ChatTab:
                 yield from self._turn(values, state, text)
             else:
                 state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
-                yield {self.chatbot: state.shown()} | self._views(values, state, True)
+                yield {self.chatbot: state.shown()} | self.views(values, state, True)
 
     def on_undo(self, values: dict) -> dict:
         state = values[self.state]
@@ -187,12 +189,13 @@ class ChatTab:
             shown = state.shown()
             state.rebuild(shown[:index])
             return ({self.chatbot: shown[:index], self.text: shown[index]["content"]}
-                    | self._views(values, state, True))
+                    | self.views(values, state, True))
 
     def on_new(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [],
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
@@ -206,11 +209,12 @@ class ChatTab:
         yield from stream_turn(
             stream,
             show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": reply}]},
-            views=lambda final: self._views(values, state, final),
+            views=lambda final: self.views(values, state, final),
             final=lambda: {self.chatbot: state.shown()},
             closed=lambda: state.closed,
         )
 
-    def _views(self, values: dict, state: ChatState, final: bool) -> dict:
+    def views(self, values: dict, state: ChatState, final: bool) -> dict:
+        """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""
         pins = self.pins.render(state.session) if final else {}
         return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins

@@ -139,6 +139,7 @@ class CompareTab:
         swap.until([turn])
         self.reset.click(refusing(self.on_reset, self.full_chat),
                          {self.state, *self.settings.components}, self._outputs)
+        self.settings.follow(self.state, [self.bounded_chat, self.bounded_gauge], self._idle_bounded)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
@@ -227,15 +228,18 @@ class CompareTab:
         state.divergences.append(f"<li>turn {turn}: {line}</li>")
         return "<b>Where the replies diverge</b><ul>" + "".join(state.divergences) + "</ul>"
 
+    def _idle_bounded(self, cache: CacheConfig) -> dict:
+        """The bounded side before its first message: title and gauge for ``cache``."""
+        return {self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),
+                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache))}
+
     def on_reset(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
-        cache = self.settings.cache(values)
-        return {self.state: None, self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),
-                self.full_chat: [],
-                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache)),
-                self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
-                # An empty frame, not None: a plot set to None loses its chart element
-                # while the chart library still measures it (hundreds of page errors).
-                self.memory_plot: TurnSeries().frame(), self.slots_plot: TurnSeries().frame(),
-                **self.fidelity.cleared(),
-                **{output: "" for output in self.map.outputs}}
+        return self._idle_bounded(cache) | {
+            self.state: None, self.full_chat: [],
+            self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
+            # An empty frame, not None: a plot set to None loses its chart element while
+            # the chart library still measures it (hundreds of page errors).
+            self.memory_plot: TurnSeries().frame(), self.slots_plot: TurnSeries().frame(),
+            **self.fidelity.cleared(), **{output: "" for output in self.map.outputs}}

@@ -24,7 +24,6 @@ import gradio as gr
 from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
-from .map_panel import gauge_and_map
 from .refusals import Refusal, warn
 from .settings import new_cache
 from .view_state import ViewState, close_state, wait_for_model
@@ -76,13 +75,14 @@ class FilesPanel:
     def _build(self) -> None:
         """The view's own controls, above save and resume."""
 
-    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
-        """Connect to ``tab``'s state, settings, gauge and map; ``state_type`` builds the
-        view's per-browser state."""
-        self.tab, self.state_type, self.gauge_label = tab, state_type, gauge_label
+    def wire(self, tab: Any, state_type: type[ViewState]) -> None:
+        """Connect to ``tab``'s state, settings, gauge, map and pins; ``state_type`` builds
+        the view's per-browser state."""
+        self.tab, self.state_type = tab, state_type
         self.save.click(self.on_save, {tab.state}, [self.download, self.status])
         self.view_inputs = {tab.state, tab.map.live, *tab.settings.components, *tab.map.pickers}
-        self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, self.status]
+        self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, *tab.pins.outputs,
+                             self.status]
         self.resume.upload(self.on_resume, {self.resume, *self.view_inputs},
                            self.view_outputs + self._session_outputs())
 
@@ -135,7 +135,8 @@ class FilesPanel:
     # ---- helpers --------------------------------------------------------------------------
 
     def _views(self, values: dict, state: ViewState) -> dict:
-        return gauge_and_map(self.tab.gauge, self.gauge_label, self.tab.map, state, values, True)
+        """The view's gauge, map and pin list, as at the end of a turn."""
+        return self.tab.views(values, state, True)
 
     def _refused(self, message: str, outcome: str = "Not loaded") -> dict:
         """Tell the user, change nothing else (the view keeps its session)."""
@@ -154,8 +155,8 @@ class ChatFiles(FilesPanel):
             self.import_json = gr.UploadButton("Import conversation (JSON)…", file_types=[".json"],
                                                elem_id="chat-import-json")
 
-    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
-        super().wire(tab, state_type, gauge_label)
+    def wire(self, tab: Any, state_type: type[ViewState]) -> None:
+        super().wire(tab, state_type)
         self.export_json.click(self.on_export_json, {tab.state}, [self.download, self.status])
         self.export_markdown.click(self.on_export_markdown, {tab.state}, [self.download, self.status])
         self.import_json.upload(self.on_import, {self.import_json, *self.view_inputs},

@@ -38,7 +38,7 @@ class Gauge:
     seen: int  # fed to the cache
     held: int  # slots per layer and head
     pinned: int
-    budget: int | None  # None: the full cache, no bound
+    budget: int | None  # most slots held: the settings' budget + pinned (None: unbounded)
     kv_bytes: int  # allocated, room for incoming tokens included
     held_bytes: int  # of which the slots in use
     tokens_per_s: float
@@ -68,13 +68,14 @@ class Gauge:
 
     @property
     def state(self) -> str:
-        """``empty`` (nothing fed yet), ``full`` (unbounded cache), ``filling`` (under
-        budget: nothing evicted yet) or ``at-budget`` (evicting)."""
+        """``empty`` (nothing fed yet), ``full`` (unbounded cache), ``filling`` (nothing
+        evicted yet) or ``at-budget`` (evicting). Once evicting, a cache stays
+        ``at-budget`` even when a new pin leaves it a few slots short of its limit."""
         if self.seen == 0:
             return "empty"
         if self.budget is None:
             return "full"
-        return "at-budget" if self.held >= self.budget else "filling"
+        return "at-budget" if self.evicted or self.held >= self.budget else "filling"
 
     @property
     def evicted(self) -> int:
@@ -105,7 +106,8 @@ def _state_line(g: Gauge) -> str:
 def gauge_html(g: Gauge) -> str:
     """The token counter (seen vs held vs budget), its state in words, memory and speed.
     The numbers are also ``data-*`` attributes, for tests and scripts."""
-    budget = "∞" if g.budget is None else str(g.budget)
+    # "Budget" is the settings' one everywhere (sink + heavy + recent); pins come on top.
+    budget = "∞" if g.budget is None else str(g.budget - g.pinned)
     budget_attr = "" if g.budget is None else str(g.budget)
     fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
     return (
@@ -114,8 +116,8 @@ def gauge_html(g: Gauge) -> str:
         f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
-        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · "
-        f"budget <b>{budget}</b>{f' ({g.pinned} pinned)' if g.pinned else ''}</div>"
+        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
+        f"{f' + <b>{g.pinned}</b> pinned' if g.pinned else ''}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
         f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · '

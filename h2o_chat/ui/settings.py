@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
@@ -77,6 +78,24 @@ class Settings:
             **{name: _int_or_none(values[getattr(self, name)]) for name in ("heavy", "recent", "sink")},
         )
         return _checked(dataclasses.replace(self.config, cache=cache)).cache
+
+
+    def follow(self, state: gr.State, outputs: list[gr.components.Component],
+               show: Callable[[CacheConfig], dict]) -> None:
+        """While a view has no session (``state`` holds None), ``show(cache)`` gives its
+        updates for the cache settings as they change, so its gauge and labels tell the
+        budget its next session gets. Settings not valid yet (the user may be typing)
+        change nothing: sending says what is wrong."""
+        def changed(values: dict) -> dict:
+            if values[state] is None:
+                try:
+                    return show(self.cache(values))
+                except Refusal:
+                    pass
+            return {outputs[0]: gr.skip()}
+
+        gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink)],
+              changed, {state, *self.components}, outputs, show_progress="hidden")
 
 
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:

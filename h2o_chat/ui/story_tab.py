@@ -99,9 +99,11 @@ class StoryTab:
             outputs, **generating(self.server))
         swap.until([turn])
         self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
+        self.settings.follow(self.state, [self.gauge],
+                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
         self.map.wire(self.state)
-        self.files.wire(self, StoryState, GAUGE_LABEL)
-        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+        self.files.wire(self, StoryState)
+        self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def on_continue(self, values: dict) -> Iterator[dict]:
@@ -127,17 +129,19 @@ class StoryTab:
             yield from stream_turn(
                 stream,
                 show=lambda added: {self.story: story + added},
-                views=lambda final: self._views(values, state, final),
+                views=lambda final: self.views(values, state, final),
                 final=lambda: {self.story: state.session.text},
                 closed=lambda: state.closed,
             )
 
     def on_new(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.story: "",
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
-    def _views(self, values: dict, state: StoryState, final: bool) -> dict:
+    def views(self, values: dict, state: StoryState, final: bool) -> dict:
+        """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""
         pins = self.pins.render(state.session) if final else {}
         return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins
