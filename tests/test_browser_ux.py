@@ -4,7 +4,12 @@ cleanly."""
 
 from __future__ import annotations
 
+import base64
+from io import BytesIO
+
+import numpy as np
 import pytest
+from PIL import Image
 from playwright.sync_api import expect
 
 from .browser_support import (
@@ -159,3 +164,46 @@ def test_one_budget_that_follows_the_settings(page):
     pinned = page.locator("#story-pin-list .pins").get_attribute("data-pinned")
     expect(page.locator("#story-gauge")).to_contain_text(f"budget 36 + {pinned} pinned")
     assert gauge(page, "story-gauge")["state"] == "at-budget"
+
+
+# WCAG contrast of an element's text against the first opaque background behind it.
+CONTRAST = """selector => {
+  const element = document.querySelector(selector);
+  if (!element) return null;
+  const rgb = colour => (colour.match(/[\\d.]+/g) || []).map(Number);
+  let behind = [255, 255, 255];
+  for (let e = element; e; e = e.parentElement) {
+    const c = rgb(getComputedStyle(e).backgroundColor);
+    if (c.length === 3 || c[3] > 0.5) { behind = c.slice(0, 3); break; }
+  }
+  const channel = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+  const lum = ([r, g, b]) => 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+  const [a, b] = [lum(rgb(getComputedStyle(element).color).slice(0, 3)), lum(behind)];
+  return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+}"""
+
+
+def test_dark_mode_keeps_the_gauge_and_the_maps_readable(browser, app_url):
+    page = open_app(browser, app_url + "?__theme=dark")
+    try:
+        assert page.evaluate("() => document.body.classList.contains('dark')")
+        open_tab(page, "Story")
+        configure(page, heavy=16, recent=16)
+        page.fill("#story-text textarea", "The storm reached the island at dusk.")
+        set_number(page, "story-tokens", 64)
+        start_and_wait(page, "#story-continue")
+        for selector, least in [
+            ("#story-gauge .gstate", 4.5), ("#story-gauge .gnums", 3),
+            ("#story-token-map .maplegend .k1", 4.5), ("#story-token-map .maplegend .ev", 3),
+            ("#story-token-map .tokmap .ev", 3), ("#story-heat-map .heataxis", 3),
+        ]:
+            contrast = page.evaluate(CONTRAST, selector)
+            assert contrast is not None and contrast >= least, (selector, contrast)
+        src = page.locator("#story-heat-map img").get_attribute("src")
+        image = Image.open(BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGBA")
+        pixels = np.asarray(image)
+        shown = pixels[..., 3] > 0
+        assert not shown.all()  # evicted cells are see-through: they show the dark page
+        assert not (shown & (pixels[..., :3].min(axis=-1) > 230)).any()  # none glaring white
+    finally:
+        page.context.close()

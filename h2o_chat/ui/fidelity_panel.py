@@ -21,7 +21,7 @@ FIDELITY_CSS = """
 .fidsum { font-size: 13px; margin: 4px 0; }
 .fidtext { font-family: ui-monospace, monospace; font-size: 12px; line-height: 1.8;
   white-space: pre-wrap; word-break: break-word; max-height: 260px; overflow-y: auto;
-  border: 1px solid #e5e7eb; padding: 6px; border-radius: 6px; }
+  border: 1px solid var(--border-color-primary); padding: 6px; border-radius: 6px; }
 .fidtext mark { background: rgba(220, 38, 38, var(--a)); border-radius: 3px; }
 .fidtext .step { outline: 2px solid #2563eb; border-radius: 3px; }
 .fidlist { font-size: 12px; margin: 4px 0 0 0; }

@@ -16,16 +16,22 @@ from h2o_chat.session import SessionStats
 
 _MB = 1e6
 
-# For each gauge's gr.HTML (css_template, scoped to it).
+# For each gauge's gr.HTML (css_template, scoped to it). Text, greys and borders are the
+# theme's variables, so the gauge reads in light and dark mode; the state's colour is a
+# dot, not the text.
 GAUGE_CSS = """
-.gauge { border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 10px; font-size: 13px; }
+.gauge { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px 10px;
+  font-size: 13px; color: var(--body-text-color); }
 .gauge .glabel { font-weight: 600; margin-bottom: 2px; }
-.gauge .gbar { height: 8px; background: #f3f4f6; border-radius: 4px; margin: 6px 0; }
+.gauge .gbar { height: 8px; background: var(--background-fill-secondary); border-radius: 4px;
+  margin: 6px 0; }
 .gauge .gbar div { height: 100%; border-radius: 4px; background: #2563eb; }
-.gauge .gstate { color: #374151; }
-.gauge[data-state="filling"] .gstate, .gauge[data-state="empty"] .gstate { color: #047857; }
+.gauge .gstate::before { content: "● "; color: #2563eb; }
+.gauge[data-state="filling"] .gstate::before, .gauge[data-state="empty"] .gstate::before {
+  color: #10b981; }
 .gauge[data-state="full"] .gbar div { background: #d97706; }
-.gauge .gnums { color: #6b7280; margin-top: 4px; }
+.gauge[data-state="full"] .gstate::before { color: #d97706; }
+.gauge .gnums { color: var(--body-text-color-subdued); margin-top: 4px; }
 """
 
 
@@ -109,7 +115,10 @@ def gauge_html(g: Gauge) -> str:
     # "Budget" is the settings' one everywhere (sink + heavy + recent); pins come on top.
     budget = "∞" if g.budget is None else str(g.budget - g.pinned)
     budget_attr = "" if g.budget is None else str(g.budget)
-    fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
+    if g.seen == 0:
+        fill = 0.0
+    else:
+        fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
     return (
         f'<div class="gauge" data-state="{g.state}" data-tokens="{g.tokens}" '
         f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '

@@ -23,8 +23,9 @@ from .view_state import ViewState
 PIN_CSS = """
 .pins { font-size: 13px; }
 .pins table { border-collapse: collapse; width: 100%; margin-top: 4px; }
-.pins td, .pins th { border-top: 1px solid #e5e7eb; padding: 2px 6px; text-align: left; }
-.pins .fixed { color: #6b7280; }
+.pins td, .pins th { border-top: 1px solid var(--border-color-primary); padding: 2px 6px;
+  text-align: left; }
+.pins .fixed { color: var(--body-text-color-subdued); }
 """
 
 TEXT_SHOWN = 80  # characters of a pin's text in the list
