@@ -91,13 +91,20 @@ def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
     for plot in ("compare-memory-plot", "compare-slots-plot"):
         assert page.locator(f"#{plot} canvas, #{plot} svg").count() > 0
     assert int(gauge(page, "compare-full-gauge")["held"]) > int(gauge(page, "compare-bounded-gauge")["held"])
+    # The fidelity gauge is off: no empty plot or token box takes room.
+    for off in ("compare-fidelity-plot", "compare-fidelity-step"):
+        expect(page.locator(f"#{off}")).to_be_hidden()
+    expect(page.locator("#compare-fidelity-summary")).to_contain_text("fidelity gauge off")
     page.click("#compare-reset")
     page.wait_for_function("() => !document.querySelector('#compare-full-chat [data-testid=bot]')")
     page.wait_for_function(
         "() => document.querySelector('#compare-bounded-gauge .gauge').dataset.state === 'empty'")
     page.wait_for_timeout(1500)  # what a reset throws arrives after the views clear
+    page.check("#compare-fidelity-on input")
     send(page, "#compare-input", "#compare-send", "Name a colour.")
     assert len(messages(page, "compare-full-chat", "bot")) == 1
+    expect(page.locator("#compare-fidelity-plot")).to_be_visible()
+    assert page.locator("#compare-fidelity-plot canvas, #compare-fidelity-plot svg").count() > 0
     assert errors == []
     assert not toasts(page)
 

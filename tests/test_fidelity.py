@@ -11,7 +11,7 @@ from h2o_chat import ChatSession, make_cache
 from h2o_chat.fidelity import FidelityProbe, held_positions, kl_divergence
 from h2o_chat.ui.provider import ModelProvider
 
-from .measure_fidelity_cost import CompareView
+from tools.measure_fidelity_cost import CompareView
 from .helpers import feed
 
 PROMPT = ("Mira keeps the lighthouse on the northern cliff. Every night she lights the lamp, "
@@ -106,7 +106,7 @@ def test_compare_view_gauge(smollm):
     frame = last[panel.plot].value
     assert len(frame["data"]) == len(probe.points)
     worst = max(probe.points, key=lambda p: p.kl)
-    assert last[panel.step] == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
+    assert last[panel.step].value == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
     tokens = view.state.sides["bounded"].tokens
     assert worst.forgotten
     for f in worst.forgotten:  # highlighted in the text and listed, with their own text

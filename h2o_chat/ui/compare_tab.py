@@ -205,8 +205,11 @@ class CompareTab:
             frame, order = state.series.frame(), state.series.order()
             update |= {self.memory_plot: gr.LinePlot(frame, sort=order),
                        self.slots_plot: gr.LinePlot(frame, sort=order)}
-        update |= (self.fidelity.render(state) if state.probe else
-                   self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from the next message"))
+        if state.probe:
+            update |= self.fidelity.render(state)
+        elif final:
+            update |= self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from "
+                                            "the next message")
         if final or values[self.map.live]:
             snap = snapshots[BOUNDED]
             update |= self.map.render(state.loaded, snap.tokens, snap.stats.cache, values)
