@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 from io import BytesIO
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from .browser_support import (
     configure, gauge, messages, open_app, open_tab, page_errors, running_app, send,
     set_number, show_settings, start_and_wait, toasts,
 )
+
+
+DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="module")
@@ -212,5 +216,46 @@ def test_dark_mode_keeps_the_gauge_and_the_maps_readable(browser, app_url):
         shown = pixels[..., 3] > 0
         assert not shown.all()  # evicted cells are see-through: they show the dark page
         assert not (shown & (pixels[..., :3].min(axis=-1) > 230)).any()  # none glaring white
+    finally:
+        page.context.close()
+
+
+def test_the_token_map_follows_the_newest_tokens(browser, app_url):
+    page = open_app(browser, app_url, width=700, height=900)
+    try:
+        configure(page, max_new_tokens=8)
+        text = (DATA / "pride_and_prejudice_ch1-6.txt").read_text()[:2500]
+        send(page, "#chat-input", "#chat-send", f"Summarize this in one line: {text}")
+        tokmap = page.locator("#chat-token-map .tokmap")
+        assert tokmap.evaluate("m => m.scrollHeight > m.clientHeight")  # it does scroll
+        page.wait_for_function(
+            "() => { const m = document.querySelector('#chat-token-map .tokmap');"
+            " return m.scrollTop + m.clientHeight >= m.scrollHeight - 30; }", timeout=5_000)
+    finally:
+        page.context.close()
+
+
+def test_nothing_floats_over_the_top_of_the_chat(browser, app_url):
+    page = open_app(browser, app_url, height=720)
+    try:
+        configure(page, max_new_tokens=40)
+        show_settings(page, False)
+        for question in ["Name three fruits and describe each.", "Now three vegetables, described."]:
+            send(page, "#chat-input", "#chat-send", question)
+        # The conversation's scrolling box, scrolled down to the newest message.
+        scroller = page.locator("#chatbot [role=log]")
+        reached = scroller.evaluate("""log => {
+          let box = log;
+          while (box !== document.body && !(box.scrollHeight > box.clientHeight + 4 &&
+                 /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
+          if (box === document.body || box.scrollTop === 0) return "not scrolled";
+          const r = box.getBoundingClientRect();
+          // Near both top corners, what a click reaches is the conversation itself.
+          return [[r.left + 14, r.top + 14], [r.right - 50, r.top + 14]].map(([x, y]) => {
+            const hit = document.elementFromPoint(x, y);
+            return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
+          });
+        }""")
+        assert reached == [True, True]
     finally:
         page.context.close()

@@ -77,7 +77,6 @@ def chat(page: Page, result: ViewResult) -> None:
 
 
 def compare(page: Page, result: ViewResult) -> None:
-    open_tab(page, "Compare")
     for text in CHAT_TURNS:
         _streamed_turn(page, result, _send(page, "#compare-input", "#compare-send", text))
     page.click("#compare-reset")
@@ -87,7 +86,6 @@ def compare(page: Page, result: ViewResult) -> None:
 
 
 def story(page: Page, result: ViewResult) -> None:
-    open_tab(page, "Story")
     page.fill("#story-text textarea", STORY_BEGINNING)
     set_number(page, "story-tokens", 96)
     _streamed_turn(page, result, lambda: page.click("#story-continue"))
@@ -98,13 +96,16 @@ VIEWS: dict[str, Callable[[Page, ViewResult], None]] = {
 }
 
 
-def measure(url: str, browser, view: str, max_new_tokens: int) -> ViewResult:
-    result = ViewResult(view)
+def measure(url: str, browser, view: str, max_new_tokens: int, live_map: bool = True) -> ViewResult:
+    result = ViewResult(view if live_map else f"{view} (map not live)")
     page = open_app(browser, url, width=1366, height=768)
     try:
         result.errors = page_errors(page)
         page.evaluate(_PROBE)
+        open_tab(page, view.title())
         configure(page, heavy=16, recent=16, max_new_tokens=max_new_tokens, seed=1)
+        if not live_map:
+            page.locator(f"#{view}-map-live input").uncheck(force=True)
         VIEWS[view](page, result)
         numbers = page.evaluate("() => window.__measure")
         result.longest_gap_ms, result.longtask_ms = numbers["gap"], numbers["longtask"]
@@ -126,9 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--views", nargs="+", choices=list(VIEWS), default=list(VIEWS))
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--map-off-too", action="store_true",
+                        help="measure each view again with the live map off")
     args = parser.parse_args(argv)
     with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
-        results = [measure(url, browser, view, args.max_new_tokens) for view in args.views]
+        results = [measure(url, browser, view, args.max_new_tokens, live)
+                   for view in args.views for live in [True, False][: 1 + args.map_off_too]]
     print(table(results))
     for result in results:
         for error in sorted(set(result.errors))[:5]:

@@ -14,6 +14,7 @@ from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS
 from .limits import RequestSizeLimit
+from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
 from .story_tab import StoryTab
@@ -76,7 +77,8 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
-        demo.load(None, js=ESC_STOPS)
+        for script in (ESC_STOPS, FOLLOW_NEWEST):
+            demo.load(None, js=script)
     return demo
 
 

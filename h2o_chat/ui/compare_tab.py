@@ -21,7 +21,7 @@ from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
-from .streaming import Interleaved, Throttle
+from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle
 from .view_state import (
     Snapshot, ViewState, browser_state, close_state, generating, wait_for_model,
 )
@@ -170,15 +170,19 @@ class CompareTab:
             replies = dict.fromkeys(state.sides, "")
             yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
                    self.bounded_chat: gr.Chatbot(shown[BOUNDED], label=state.labels[BOUNDED])}
-            steps, throttle = Interleaved(streams), Throttle()
+            steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
+            update = {}  # what changed since the last push
             for side, chunk in steps:
                 if state.closed:
                     return
                 replies[side] += chunk
-                update = {chats[side]: shown[side] + [{"role": "assistant", "content": replies[side]}]}
+                update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
                 if throttle.due():
                     update |= self._views(values, state, steps.busy, turn, final=False)
+                elif not paced.due():
+                    continue
                 yield update
+                update = {}
             if not state.closed:
                 yield ({chats[side]: state.shown(side) for side in state.sides}
                        | self._views(values, state, steps.busy, turn, final=True))
