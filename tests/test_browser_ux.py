@@ -33,13 +33,6 @@ def app_url(app_log):
         yield url
 
 
-@pytest.fixture
-def page(browser, app_url):
-    page = open_app(browser, app_url)
-    yield page
-    page.context.close()
-
-
 def _expect_toast(page, text: str) -> None:
     expect(page.locator("[data-testid=toast-body]", has_text=text)).to_have_count(1)
 
