@@ -55,8 +55,10 @@ TOKEN_MAP_CSS = "\n".join(
         ".heat img { width: 100%; height: 180px; image-rendering: pixelated; display: block;"
         " border: 1px solid var(--border-color-primary); }",
         ".heat .sel { position: absolute; left: -8px; width: 5px; background: #dc2626; }",
-        ".heataxis { display: flex; justify-content: space-between; font-size: 11px;"
-        " color: var(--body-text-color-subdued); margin-left: 8px; }",
+        # Wraps on a narrow screen instead of running its three labels together.
+        ".heataxis { display: flex; flex-wrap: wrap; justify-content: space-between;"
+        " column-gap: 12px; font-size: 11px; color: var(--body-text-color-subdued);"
+        " margin-left: 8px; }",
     ]
     + [
         f".k{k} {{ background: {_css_rgb(k / LEVELS)};"
