@@ -243,13 +243,15 @@ def test_nothing_floats_over_the_top_of_the_chat(browser, app_url):
                  /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
           if (box === document.body || box.scrollTop === 0) return "not scrolled";
           const r = box.getBoundingClientRect();
-          // Near both top corners, what a click reaches is the conversation itself.
-          return [[r.left + 14, r.top + 14], [r.right - 50, r.top + 14]].map(([x, y]) => {
+          // Along the top edge (bar the corner, where the Clear icon stays), what a click
+          // reaches is the conversation itself, not a label or an icon over it.
+          return [[r.left + 14, r.top + 14], [(r.left + r.right) / 2, r.top + 14],
+                  [r.right - 50, r.top + 14]].map(([x, y]) => {
             const hit = document.elementFromPoint(x, y);
             return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
           });
         }""")
-        assert reached == [True, True]
+        assert reached == [True, True, True]
     finally:
         page.context.close()
 

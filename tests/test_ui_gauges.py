@@ -53,6 +53,7 @@ def test_gauge_states_in_words():
     pinned = gauge(seen=416, held=260, pinned=21, budget=281)
     assert pinned.state == "at-budget" and "156 tokens evicted" in gauge_html(pinned)
     assert "budget <b>260</b> + <b>21</b> pinned" in gauge_html(pinned)
+    assert "pinned" not in gauge_html(gauge(budget=None, pinned=21))  # ∞ has nothing on top
     assert "1.00 MB</b> (0.50 MB in use)" in gauge_html(gauge())
 
 

@@ -85,8 +85,8 @@ class ChatTab:
         with gr.Row():
             with gr.Column(scale=3):
                 # Sized to the window, so the input and its buttons stay in view at 768 px.
-                # No label or top icons (the tab names the view; New chat clears it): they
-                # floated over the top message.
+                # No label or copy-all icon (the tab names the view): they floated over
+                # the top message.
                 self.chatbot = gr.Chatbot(label="Chat", show_label=False, buttons=["copy"],
                                           height="calc(100vh - 380px)", min_height=240,
                                           editable="user", elem_id="chatbot",
@@ -135,8 +135,8 @@ class ChatTab:
         swap.until(turns)
         gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
               turn_inputs, outputs)
-        self.new.click(refusing(self.on_new, self.chatbot),
-                       {self.state, *self.settings.components}, outputs)
+        gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
+              {self.state, *self.settings.components}, outputs)
         self.settings.follow(self.state, [self.gauge],
                              lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
         self.map.wire(self.state)

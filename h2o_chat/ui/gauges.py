@@ -126,7 +126,7 @@ def gauge_html(g: Gauge) -> str:
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
         f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
-        f"{f' + <b>{g.pinned}</b> pinned' if g.pinned else ''}</div>"
+        f"{f' + <b>{g.pinned}</b> pinned' if g.pinned and g.budget is not None else ''}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
         f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · '
