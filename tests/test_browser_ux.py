@@ -150,7 +150,7 @@ def test_one_budget_that_follows_the_settings(page):
     open_tab(page, "Compare")
     configure(page, heavy=16, recent=16)
     # Before the first message the bounded side's title and gauge follow the settings.
-    expect(page.locator("#compare-bounded-chat")).to_contain_text("h2o cache (36 slots)")
+    expect(page.locator("#compare-bounded-title")).to_contain_text("h2o cache (36 slots)")
     expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget", "36")
     open_tab(page, "Story")
     expect(page.locator("#story-gauge .gauge")).to_have_attribute("data-budget", "36")
@@ -228,32 +228,40 @@ def test_the_token_map_follows_the_newest_tokens(browser, app_url):
         page.context.close()
 
 
-def test_nothing_floats_over_the_top_of_the_chat(browser, app_url):
+def test_nothing_floats_over_the_top_of_the_chats(browser, app_url):
     page = open_app(browser, app_url, height=720)
     try:
         configure(page, max_new_tokens=40)
         show_settings(page, False)
-        for question in ["Name three fruits and describe each.", "Now three vegetables, described."]:
+        questions = ["Name three fruits and describe each.", "Now three vegetables, described."]
+        for question in questions:
             send(page, "#chat-input", "#chat-send", question)
-        # The conversation's scrolling box, scrolled down to the newest message.
-        scroller = page.locator("#chatbot [role=log]")
-        reached = scroller.evaluate("""log => {
-          let box = log;
-          while (box !== document.body && !(box.scrollHeight > box.clientHeight + 4 &&
-                 /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
-          if (box === document.body || box.scrollTop === 0) return "not scrolled";
-          const r = box.getBoundingClientRect();
-          // Along the top edge (bar the corner, where the Clear icon stays), what a click
-          // reaches is the conversation itself, not a label or an icon over it.
-          return [[r.left + 14, r.top + 14], [(r.left + r.right) / 2, r.top + 14],
-                  [r.right - 50, r.top + 14]].map(([x, y]) => {
-            const hit = document.elementFromPoint(x, y);
-            return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
-          });
-        }""")
-        assert reached == [True, True, True]
+        assert _top_edge_reaches_the_conversation(page, "chatbot") == [True, True, True]
+        open_tab(page, "Compare")
+        for question in questions:
+            send(page, "#compare-input", "#compare-send", question)
+        for chat in ("compare-bounded-chat", "compare-full-chat"):
+            assert _top_edge_reaches_the_conversation(page, chat) == [True, True, True], chat
     finally:
         page.context.close()
+
+
+def _top_edge_reaches_the_conversation(page, chatbot: str):
+    """Along the top edge of the chat's scrolled conversation (bar the corner, where the
+    Clear icon stays), whether a click reaches the conversation itself, not a label or an
+    icon floating over it."""
+    return page.locator(f"#{chatbot} [role=log]").evaluate("""log => {
+      let box = log;
+      while (box !== document.body && !(box.scrollHeight > box.clientHeight + 4 &&
+             /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
+      if (box === document.body || box.scrollTop === 0) return "not scrolled";
+      const r = box.getBoundingClientRect();
+      return [[r.left + 14, r.top + 14], [(r.left + r.right) / 2, r.top + 14],
+              [r.right - 50, r.top + 14]].map(([x, y]) => {
+        const hit = document.elementFromPoint(x, y);
+        return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
+      });
+    }""")
 
 
 def test_the_heat_map_caption_stays_apart_at_400_px(browser, app_url):

@@ -40,6 +40,10 @@ def bounded_label(cache: CacheConfig) -> str:
     return f"{cache.policy} cache " + ("(settings)" if slots is None else f"({slots} slots)")
 
 
+def _title(label: str) -> str:
+    return f"**{label}**"
+
+
 class CompareState(ViewState):
     """One browser's comparison: two chat sessions fed the same turns and seed."""
 
@@ -91,12 +95,20 @@ class CompareTab:
             "taking turns token by token. Until the bounded cache starts evicting, the replies "
             "normally match.")
         # The input right under the replies, both sized to the window: in view at 768 px.
+        # Each side's name above its chat, not as the chat's label, which floated over the
+        # top message.
         with gr.Row():
-            self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache),
-                                           height="calc(100vh - 460px)", min_height=200,
-                                           elem_id="compare-bounded-chat")
-            self.full_chat = gr.Chatbot(label=FULL_LABEL, height="calc(100vh - 460px)",
-                                        min_height=200, elem_id="compare-full-chat")
+            with gr.Column():
+                self.bounded_title = gr.Markdown(_title(bounded_label(config.cache)),
+                                                 elem_id="compare-bounded-title")
+                self.bounded_chat = gr.Chatbot(show_label=False, buttons=["copy"],
+                                               height="calc(100vh - 490px)", min_height=200,
+                                               elem_id="compare-bounded-chat")
+            with gr.Column():
+                gr.Markdown(_title(FULL_LABEL), elem_id="compare-full-title")
+                self.full_chat = gr.Chatbot(show_label=False, buttons=["copy"],
+                                            height="calc(100vh - 490px)", min_height=200,
+                                            elem_id="compare-full-chat")
         with gr.Row(equal_height=True):
             self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
                                    show_label=False, scale=5, elem_id="compare-input")
@@ -124,7 +136,8 @@ class CompareTab:
 
     @property
     def _outputs(self) -> list:
-        return [self.state, self.text, self.bounded_chat, self.full_chat, self.bounded_gauge,
+        return [self.state, self.text, self.bounded_title, self.bounded_chat, self.full_chat,
+                self.bounded_gauge,
                 self.full_gauge, self.divergence, self.memory_plot, self.slots_plot,
                 *self.fidelity.outputs, *self.map.outputs]
 
@@ -137,9 +150,12 @@ class CompareTab:
                       *self.settings.components, *self.map.pickers},
                      self._outputs, trigger_mode="multiple", **generating(self.server))
         swap.until([turn])
-        self.reset.click(refusing(self.on_reset, self.full_chat),
-                         {self.state, *self.settings.components}, self._outputs)
-        self.settings.follow(self.state, [self.bounded_chat, self.bounded_gauge], self._idle_bounded)
+        # A chat's own Clear icon resets the comparison: both sides, as Reset does.
+        gr.on([self.reset.click, self.bounded_chat.clear, self.full_chat.clear],
+              refusing(self.on_reset, self.full_chat), {self.state, *self.settings.components},
+              self._outputs)
+        self.settings.follow(self.state, [self.bounded_title, self.bounded_gauge],
+                             self._idle_bounded)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
@@ -169,7 +185,8 @@ class CompareTab:
                      for side in state.sides}
             replies = dict.fromkeys(state.sides, "")
             yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
-                   self.bounded_chat: gr.Chatbot(shown[BOUNDED], label=state.labels[BOUNDED])}
+                   self.bounded_chat: shown[BOUNDED],
+                   self.bounded_title: _title(state.labels[BOUNDED])}
             steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
             update = {}  # what changed since the last push
             for side, chunk in steps:
@@ -237,14 +254,14 @@ class CompareTab:
 
     def _idle_bounded(self, cache: CacheConfig) -> dict:
         """The bounded side before its first message: title and gauge for ``cache``."""
-        return {self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),
+        return {self.bounded_title: _title(bounded_label(cache)),
                 self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache))}
 
     def on_reset(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return self._idle_bounded(cache) | {
-            self.state: None, self.full_chat: [],
+            self.state: None, self.bounded_chat: [], self.full_chat: [],
             self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
             # An empty frame, not None: a plot set to None loses its chart element while
             # the chart library still measures it (hundreds of page errors).
