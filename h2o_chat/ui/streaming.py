@@ -13,7 +13,7 @@ UPDATE_INTERVAL_S = 0.3
 # Two replies streaming at once (compare) push their text together at most this often:
 # each push re-renders the chatbots, and one push per token of each side kept the page's
 # main thread busy more than a third of the time (tools/measure_page.py).
-TEXT_INTERVAL_S = 0.1
+TEXT_INTERVAL_S = 0.25
 
 
 class Throttle:
