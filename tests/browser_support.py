@@ -34,11 +34,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_app(*args: str, timeout: float = 120) -> Iterator[str]:
+def running_app(*args: str, timeout: float = 120, log_path: Path | None = None) -> Iterator[str]:
     """Start ``app.py`` on a free port with ``args``; yield its URL once it answers; stop
-    it at the end. Its output goes to a log that a failure to start shows."""
+    it at the end. Its output goes to a log that a failure to start shows, kept at
+    ``log_path`` if given (for tests that read what the server printed)."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False)
+    log = (open(log_path, "w+") if log_path else
+           tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -65,7 +67,8 @@ def running_app(*args: str, timeout: float = 120) -> Iterator[str]:
             process.kill()
             process.wait()
         log.close()
-        os.unlink(log.name)
+        if not log_path:
+            os.unlink(log.name)
 
 
 @contextmanager
@@ -92,7 +95,7 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000) -> Page:
 
 
 def set_number(page: Page, elem_id: str, value: float) -> None:
-    box = page.locator(f"#{elem_id} input[type=number]")
+    box = page.locator(f"#{elem_id} input[type=number], #{elem_id} textarea")
     sliders = page.locator(f"#{elem_id} input[type=range]")
     slider = sliders if sliders.count() else box  # plain number boxes have no slider
     # The slider does not always take a typed value (seen on a busy machine: a 32-token
@@ -149,3 +152,16 @@ def messages(page: Page, chatbot: str, role: str) -> list[str]:
 
 def open_tab(page: Page, name: str) -> None:
     page.get_by_role("tab", name=name).click()
+
+
+def page_errors(page: Page) -> list[str]:
+    """Console errors and uncaught exceptions of ``page`` from now on, as they come."""
+    errors: list[str] = []
+    page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+    page.on("pageerror", lambda err: errors.append(f"uncaught: {err}"))
+    return errors
+
+
+def toasts(page: Page) -> list[str]:
+    """The texts of the notices (warnings, errors) shown in the page's corner."""
+    return page.locator("[data-testid=toast-body]").all_inner_texts()

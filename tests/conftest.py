@@ -73,3 +73,14 @@ def browser():
 
     with sync_playwright() as playwright, chromium(playwright) as browser:
         yield browser
+
+
+@pytest.fixture
+def page(browser, app_url):
+    """A page of the app that the test module's ``app_url`` fixture serves, in a browser
+    context (a Gradio session) of its own."""
+    from .browser_support import open_app
+
+    page = open_app(browser, app_url)
+    yield page
+    page.context.close()

@@ -19,13 +19,6 @@ def app_url():
         yield url
 
 
-@pytest.fixture
-def page(browser, app_url):
-    page = open_app(browser, app_url)
-    yield page
-    page.context.close()
-
-
 # ---- chat --------------------------------------------------------------------------------
 
 

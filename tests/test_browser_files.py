@@ -75,3 +75,26 @@ def test_save_then_resume_in_another_browser_session(browser, app_url, tmp_path)
     assert messages(second, "chatbot", "bot")[-1] == messages(first, "chatbot", "bot")[-1]
     first.context.close()
     second.context.close()
+
+
+def test_a_resumed_session_lists_its_pins(browser, app_url, tmp_path):
+    first = open_app(browser, app_url)
+    configure(first, max_new_tokens=16)
+    first.check("#chat-pin-message input")
+    send(first, "#chat-input", "#chat-send", "My cat is called Odd.")
+    pins = first.locator("#chat-pin-list .pins")
+    expect(pins).to_have_attribute("data-count", "2")  # the system prompt and the message
+    listed = pins.inner_text()
+    open_files(first)
+    download(first, "#chat-save-session", tmp_path / "pinned.h2o-session.zip")
+
+    second = open_app(browser, app_url)
+    open_files(second)
+    upload(second, "#chat-resume-session", tmp_path / "pinned.h2o-session.zip")
+    expect(second.locator("#chat-files-status")).to_contain_text("Resumed", timeout=60_000)
+    resumed = second.locator("#chat-pin-list .pins")
+    expect(resumed).to_have_attribute("data-count", "2")
+    assert resumed.inner_text() == listed
+    assert "My cat is called Odd." in listed
+    first.context.close()
+    second.context.close()

@@ -106,7 +106,7 @@ def test_compare_view_gauge(smollm):
     frame = last[panel.plot].value
     assert len(frame["data"]) == len(probe.points)
     worst = max(probe.points, key=lambda p: p.kl)
-    assert last[panel.step] == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
+    assert last[panel.step].value == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
     tokens = view.state.sides["bounded"].tokens
     assert worst.forgotten
     for f in worst.forgotten:  # highlighted in the text and listed, with their own text

@@ -49,6 +49,12 @@ def test_gauge_states_in_words():
     assert gauge(seen=0, held=0, tokens=0).state == "empty"
     assert "budget not reached yet" in gauge_html(gauge(seen=0, held=0, tokens=0))
     assert gauge(held=100, seen=300).state == "at-budget"
+    # A pin right after evictions: 21 more slots allowed, not yet filled; still evicting,
+    # and "budget" is the settings' 260 with the pins on top, as in the pin panel.
+    pinned = gauge(seen=416, held=260, pinned=21, budget=281)
+    assert pinned.state == "at-budget" and "156 tokens evicted" in gauge_html(pinned)
+    assert "budget <b>260</b> + <b>21</b> pinned" in gauge_html(pinned)
+    assert "pinned" not in gauge_html(gauge(budget=None, pinned=21))  # ∞ has nothing on top
     assert "1.00 MB</b> (0.50 MB in use)" in gauge_html(gauge())
 
 

@@ -92,7 +92,9 @@ def test_heatmap_png_is_one_pixel_per_layer_and_column(bounded):
     rows = retention.heat_rows(retention.hold_matrix(bounded.stats(), 40, kv_heads=2))
     image = Image.open(BytesIO(retention.heatmap_png(rows)))
     assert image.size == (40, 3)
-    assert image.getpixel((0, 0)) == (29, 78, 216)  # pinned: held by all
+    assert image.getpixel((0, 0)) == (29, 78, 216, 255)  # pinned: held by all
+    evicted = [x for x in range(40) if rows[0, x] == 0]
+    assert evicted and all(image.getpixel((x, 0))[3] == 0 for x in evicted)  # see-through
     page = retention.heatmap_html(rows, selected_layer=2, caption="all heads")
     assert page.count("data:image/png;base64,") == 1 and 'class="sel"' in page
     assert "nothing" in retention.heatmap_html(rows[:, :0], None, "")

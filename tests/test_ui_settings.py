@@ -1,5 +1,7 @@
 """The settings panel's cache controls reach the caches of new chats, stories and compares."""
 
+import re
+
 import gradio as gr
 import pytest
 
@@ -7,6 +9,7 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
 from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.ui.refusals import Refusal
 from h2o_chat.ui.settings import Settings
 from h2o_chat.ui.story_tab import StoryState
 
@@ -53,3 +56,17 @@ def test_rolling_box_reaches_new_chats_stories_and_compares(loaded):
 
 def test_rolling_box_starts_ticked_when_the_config_says_so():
     assert panel(AppConfig(cache=CacheConfig(rolling=True))).rolling.value is True
+
+
+def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name():
+    settings = panel(AppConfig())
+    assert settings.seed.value == ""  # the config's seed: null
+    assert settings.sampling(values(settings))["seed"] is None
+    assert settings.sampling(values(settings, seed=" 7 "))["seed"] == 7
+    for changed, message in [(dict(seed="abc"), "generation.seed = 'abc': must be an integer >= 0"),
+                             (dict(seed="-1"), "generation.seed = -1: must be an integer >= 0"),
+                             (dict(top_p=0), "generation.top_p = 0.0")]:
+        with pytest.raises(Refusal, match=re.escape(message)):
+            settings.sampling(values(settings, **changed))
+    with pytest.raises(Refusal, match=re.escape("cache.heavy = -5: must be an integer >= 0")):
+        settings.cache(values(settings, heavy=-5))

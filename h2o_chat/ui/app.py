@@ -12,7 +12,9 @@ from h2o_chat.config import AppConfig, ServerConfig
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
+from .controls import ESC_STOPS
 from .limits import LoginGate, RequestSizeLimit
+from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
 from .story_tab import StoryTab
@@ -25,10 +27,10 @@ _STATUS_POLL_S = 1.0
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 _LOAD_POLL_S = 5.0  # every open tab polls; rarely, so many tabs cost the server little
 
-INTRO = """# h2o-chat
-A local chat whose KV cache stays within a fixed budget (H2O: attention sinks + heavy
-hitters + recent tokens). The gauges and the retained-token map show what the cache holds
-while tokens stream."""
+# One line: the views below must leave their input in view on a 768 px high screen.
+INTRO = ("**h2o-chat** · a local chat whose KV cache stays within a fixed budget (H2O: "
+         "attention sinks + heavy hitters + recent tokens); the gauges and the retained-token "
+         "map show what the cache holds while tokens stream.")
 
 
 def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
@@ -75,6 +77,8 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
+        for script in (ESC_STOPS, FOLLOW_NEWEST):
+            demo.load(None, js=script)
     return demo
 
 

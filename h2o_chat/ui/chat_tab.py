@@ -10,15 +10,17 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
 from h2o_chat.session import ChatSession
 
+from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
 from .view_state import (
-    ViewState, browser_state, close_state, generating, stop_state, unchanged, wait_for_model,
+    ViewState, browser_state, close_state, generating, unchanged, wait_for_model,
 )
 
 GAUGE_LABEL = "Token counter"
@@ -83,16 +85,21 @@ class ChatTab:
         self.state = browser_state(config.server)
         with gr.Row():
             with gr.Column(scale=3):
-                self.chatbot = gr.Chatbot(label="Chat", height=430, editable="user",
-                                          elem_id="chatbot",
+                # Sized to the window, so the input and its buttons stay in view at 768 px.
+                # No label or copy-all icon (the tab names the view): they floated over
+                # the top message.
+                self.chatbot = gr.Chatbot(label="Chat", show_label=False, buttons=["copy"],
+                                          height="calc(100vh - 380px)", min_height=240,
+                                          editable="user", elem_id="chatbot",
                                           placeholder="Ask anything. Replies stream token by token.")
-                with gr.Row():
-                    self.text = gr.Textbox(placeholder="Type a message, Enter to send",
+                with gr.Row(equal_height=True):
+                    self.text = gr.Textbox(placeholder="Type a message, Enter to send, Esc to stop",
                                            show_label=False, scale=5, elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")
-                    self.send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                    self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
+                                          elem_id="chat-send")
+                    self.stop = stop_button("chat", self.state)
                 with gr.Row():
-                    self.stop = gr.Button("Stop", elem_id="chat-stop")
                     self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
                     self.undo = gr.Button("Undo", elem_id="chat-undo")
                     self.new = gr.Button("New chat", elem_id="chat-new")
@@ -112,25 +119,36 @@ class ChatTab:
                        *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
-        gr.on([self.text.submit, self.send.click], self.on_send, turn_inputs, outputs,
-              **generating(self.server))
-        gr.on([self.regenerate.click, self.chatbot.retry], self.on_regenerate, turn_inputs,
-              outputs, **generating(self.server))
-        self.chatbot.edit(self.on_edit, turn_inputs, outputs, **generating(self.server))
-        gr.on([self.undo.click, self.chatbot.undo], self.on_undo, turn_inputs, outputs)
-        gr.on([self.new.click, self.chatbot.clear], self.on_new,
+        # "multiple": a second Enter while a reply streams is refused with a message,
+        # not dropped silently.
+        sends = [self.text.submit, self.send.click]
+        regenerates = [self.regenerate.click, self.chatbot.retry]
+        swap = SendStopSwap(self.send, self.stop, self.state)
+        swap.on([*sends, *regenerates, self.chatbot.edit])
+        turns = [
+            gr.on(sends, refusing(self.on_send, self.chatbot), turn_inputs, outputs,
+                  trigger_mode="multiple", **generating(self.server)),
+            gr.on(regenerates, refusing(self.on_regenerate, self.chatbot), turn_inputs, outputs,
+                  **generating(self.server)),
+            self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
+                              **generating(self.server)),
+        ]
+        swap.until(turns)
+        gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
+              turn_inputs, outputs)
+        gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
+        self.settings.follow(self.state, [self.gauge],
+                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
         self.map.wire(self.state)
-        self.files.wire(self, ChatState, GAUGE_LABEL)
-        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+        self.files.wire(self, ChatState)
+        self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
-            raise gr.Error("Type a message first.")
+            raise Refusal("Type a message first.")
         state = values[self.state]
         if state is None:
             if not self.provider.ready:
@@ -148,7 +166,7 @@ class ChatTab:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
         if index is None:
-            raise gr.Error("Nothing to regenerate yet.")
+            raise Refusal("Nothing to regenerate yet.")
         with state.running():
             shown = state.shown()
             state.rebuild(shown[:index])
@@ -157,7 +175,7 @@ class ChatTab:
     def on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
         state = values[self.state]
         if state is None:
-            raise gr.Error("Nothing to edit yet.")
+            raise Refusal("Nothing to edit yet.")
         with state.running():
             shown, index, text = state.shown(), edit.index, _text_of(edit.value)
             if isinstance(index, (tuple, list)):
@@ -167,7 +185,7 @@ class ChatTab:
                 yield from self._turn(values, state, text)
             else:
                 state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
-                yield {self.chatbot: state.shown()} | self._views(values, state, True)
+                yield {self.chatbot: state.shown()} | self.views(values, state, True)
 
     def on_undo(self, values: dict) -> dict:
         state = values[self.state]
@@ -178,12 +196,13 @@ class ChatTab:
             shown = state.shown()
             state.rebuild(shown[:index])
             return ({self.chatbot: shown[:index], self.text: shown[index]["content"]}
-                    | self._views(values, state, True))
+                    | self.views(values, state, True))
 
     def on_new(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [],
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
@@ -191,17 +210,18 @@ class ChatTab:
             stream = state.session.send(text, pin=bool(values[self.pin_message]),
                                         **self.settings.sampling(values))
         except ValueError as err:
-            raise gr.Error(str(err)) from None
+            raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
         yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False}
         yield from stream_turn(
             stream,
             show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": reply}]},
-            views=lambda final: self._views(values, state, final),
+            views=lambda final: self.views(values, state, final),
             final=lambda: {self.chatbot: state.shown()},
             closed=lambda: state.closed,
         )
 
-    def _views(self, values: dict, state: ChatState, final: bool) -> dict:
+    def views(self, values: dict, state: ChatState, final: bool) -> dict:
+        """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""
         pins = self.pins.render(state.session) if final else {}
         return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins

@@ -15,14 +15,16 @@ from h2o_chat.inputs import InputLimits
 from h2o_chat.session import ChatSession
 
 from .chat_tab import shown_messages
+from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
 from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
-from .streaming import Interleaved, Throttle
+from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle
 from .view_state import (
-    Snapshot, ViewState, browser_state, close_state, generating, stop_state, wait_for_model,
+    Snapshot, ViewState, browser_state, close_state, generating, wait_for_model,
 )
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
@@ -37,6 +39,10 @@ def bounded_label(cache: CacheConfig) -> str:
     slots = budget(cache)
     # Never the full side's label, even for the full policy: the plots tell sides by it.
     return f"{cache.policy} cache " + ("(settings)" if slots is None else f"({slots} slots)")
+
+
+def _title(label: str) -> str:
+    return f"**{label}**"
 
 
 class CompareState(ViewState):
@@ -89,24 +95,34 @@ class CompareTab:
             "above and one keeping every token, with the same sampling seed; they decode "
             "taking turns token by token. Until the bounded cache starts evicting, the replies "
             "normally match.")
+        # The input right under the replies, both sized to the window: in view at 768 px.
+        # Each side's name above its chat, not as the chat's label, which floated over the
+        # top message.
         with gr.Row():
             with gr.Column():
-                self.bounded_chat = gr.Chatbot(label=bounded_label(config.cache), height=330,
+                self.bounded_title = gr.Markdown(_title(bounded_label(config.cache)),
+                                                 elem_id="compare-bounded-title")
+                self.bounded_chat = gr.Chatbot(show_label=False, buttons=["copy"],
+                                               height="calc(100vh - 490px)", min_height=200,
                                                elem_id="compare-bounded-chat")
-                self.bounded_gauge = gr.HTML(
-                    empty_gauge(bounded_label(config.cache), budget(config.cache)),
-                    css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
             with gr.Column():
-                self.full_chat = gr.Chatbot(label=FULL_LABEL, height=330,
+                gr.Markdown(_title(FULL_LABEL), elem_id="compare-full-title")
+                self.full_chat = gr.Chatbot(show_label=False, buttons=["copy"],
+                                            height="calc(100vh - 490px)", min_height=200,
                                             elem_id="compare-full-chat")
-                self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
-                                          elem_id="compare-full-gauge")
-        with gr.Row():
-            self.text = gr.Textbox(placeholder="A message for both, Enter to send",
+        with gr.Row(equal_height=True):
+            self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
                                    show_label=False, scale=5, elem_id="compare-input")
-            self.send = gr.Button("Send to both", variant="primary", elem_id="compare-send")
-            self.stop = gr.Button("Stop", elem_id="compare-stop")
-            self.reset = gr.Button("Reset", elem_id="compare-reset")
+            self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,
+                                  elem_id="compare-send")
+            self.stop = stop_button("compare", self.state)
+            self.reset = gr.Button("Reset", scale=0, min_width=100, elem_id="compare-reset")
+        with gr.Row():
+            self.bounded_gauge = gr.HTML(
+                empty_gauge(bounded_label(config.cache), budget(config.cache)),
+                css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
+            self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
+                                      elem_id="compare-full-gauge")
         self.divergence = gr.HTML("", elem_id="compare-divergence")
         with gr.Row():
             self.memory_plot = gr.LinePlot(x="turn", y="KV MB", color="cache", height=240,
@@ -121,25 +137,33 @@ class CompareTab:
 
     @property
     def _outputs(self) -> list:
-        return [self.state, self.text, self.bounded_chat, self.full_chat, self.bounded_gauge,
+        return [self.state, self.text, self.bounded_title, self.bounded_chat, self.full_chat,
+                self.bounded_gauge,
                 self.full_gauge, self.divergence, self.memory_plot, self.slots_plot,
                 *self.fidelity.outputs, *self.map.outputs]
 
     def _wire(self) -> None:
-        gr.on([self.text.submit, self.send.click], self.on_send,
-              {self.state, self.text, self.map.live, self.fidelity.enabled,
-               *self.settings.components, *self.map.pickers},
-              self._outputs, **generating(self.server))
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
-        self.reset.click(self.on_reset, {self.state, *self.settings.components}, self._outputs)
+        sends = [self.text.submit, self.send.click]
+        swap = SendStopSwap(self.send, self.stop, self.state)
+        swap.on(sends)
+        turn = gr.on(sends, refusing(self.on_send, self.full_chat),
+                     {self.state, self.text, self.map.live, self.fidelity.enabled,
+                      *self.settings.components, *self.map.pickers},
+                     self._outputs, trigger_mode="multiple", **generating(self.server))
+        swap.until([turn])
+        # A chat's own Clear icon resets the comparison: both sides, as Reset does.
+        gr.on([self.reset.click, self.bounded_chat.clear, self.full_chat.clear],
+              refusing(self.on_reset, self.full_chat), {self.state, *self.settings.components},
+              self._outputs)
+        self.settings.follow(self.state, [self.bounded_title, self.bounded_gauge],
+                             self._idle_bounded)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
         if not text.strip():
-            raise gr.Error("Type a message first.")
+            raise Refusal("Type a message first.")
         if not self.provider.ready:
             gr.Info("Waiting for the model to load…")
         loaded = wait_for_model(self.provider)
@@ -156,47 +180,58 @@ class CompareTab:
             try:
                 streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
             except ValueError as err:
-                raise gr.Error(str(err)) from None
+                raise Refusal(str(err)) from None
             turn = state.turns = state.turns + 1
             shown = {side: state.shown(side) + [{"role": "user", "content": text}]
                      for side in state.sides}
             replies = dict.fromkeys(state.sides, "")
             yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
-                   self.bounded_chat: gr.Chatbot(shown[BOUNDED], label=state.labels[BOUNDED])}
-            steps, throttle = Interleaved(streams), Throttle()
+                   self.bounded_chat: shown[BOUNDED],
+                   self.bounded_title: _title(state.labels[BOUNDED])}
+            steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
+            update = {}  # what changed since the last push
             for side, chunk in steps:
                 if state.closed:
                     return
                 replies[side] += chunk
-                update = {chats[side]: shown[side] + [{"role": "assistant", "content": replies[side]}]}
+                update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
                 if throttle.due():
                     update |= self._views(values, state, steps.busy, turn, final=False)
+                elif not paced.due():
+                    continue
                 yield update
+                update = {}
             if not state.closed:
                 yield ({chats[side]: state.shown(side) for side in state.sides}
                        | self._views(values, state, steps.busy, turn, final=True))
 
     def _views(self, values: dict, state: CompareState, busy: dict[str, float], turn: int,
                final: bool) -> dict:
-        """Both gauges, the per-turn plots, the divergence and (if live or at the end)
-        the bounded side's map, all from stats taken now, between two tokens."""
+        """Both gauges, the divergence, at the end the per-turn plots, and (if live or at
+        the end) the bounded side's map, all from stats taken now, between two tokens."""
         snapshots = {BOUNDED: state.take(), FULL: Snapshot.of(state.sides[FULL])}
         gauges = {
             side: Gauge.of(state.labels[side], snap.stats,
                            decode_rate(snap.stats.generated, busy[side], snap.stats.prefill_seconds))
             for side, snap in snapshots.items()
         }
-        state.series.record(turn, list(gauges.values()))
-        frame, order = state.series.frame(), state.series.order()
         update = {
             self.bounded_gauge: gauge_html(gauges[BOUNDED]),
             self.full_gauge: gauge_html(gauges[FULL]),
-            self.memory_plot: gr.LinePlot(frame, sort=order),
-            self.slots_plot: gr.LinePlot(frame, sort=order),
             self.divergence: self._divergence(state, turn),
         }
-        update |= (self.fidelity.render(state) if state.probe else
-                   self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from the next message"))
+        if final:
+            # Once per turn: the chart library re-renders a whole plot per update, which
+            # on every throttled update kept the page's main thread busy for seconds.
+            state.series.record(turn, list(gauges.values()))
+            frame, order = state.series.frame(), state.series.order()
+            update |= {self.memory_plot: gr.LinePlot(frame, sort=order),
+                       self.slots_plot: gr.LinePlot(frame, sort=order)}
+        if state.probe:
+            update |= self.fidelity.render(state)
+        elif final:
+            update |= self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from "
+                                            "the next message")
         if final or values[self.map.live]:
             snap = snapshots[BOUNDED]
             update |= self.map.render(state.loaded, snap.tokens, snap.stats.cache, values)
@@ -218,12 +253,18 @@ class CompareTab:
         state.divergences.append(f"<li>turn {turn}: {line}</li>")
         return "<b>Where the replies diverge</b><ul>" + "".join(state.divergences) + "</ul>"
 
+    def _idle_bounded(self, cache: CacheConfig) -> dict:
+        """The bounded side before its first message: title and gauge for ``cache``."""
+        return {self.bounded_title: _title(bounded_label(cache)),
+                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache))}
+
     def on_reset(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
-        cache = self.settings.cache(values)
-        return {self.state: None, self.bounded_chat: gr.Chatbot([], label=bounded_label(cache)),
-                self.full_chat: [],
-                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache)),
-                self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
-                self.memory_plot: None, self.slots_plot: None, **self.fidelity.cleared(),
-                **{output: "" for output in self.map.outputs}}
+        return self._idle_bounded(cache) | {
+            self.state: None, self.bounded_chat: [], self.full_chat: [],
+            self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
+            # An empty frame, not None: a plot set to None loses its chart element while
+            # the chart library still measures it (hundreds of page errors).
+            self.memory_plot: TurnSeries().frame(), self.slots_plot: TurnSeries().frame(),
+            **self.fidelity.cleared(), **{output: "" for output in self.map.outputs}}

@@ -21,7 +21,7 @@ FIDELITY_CSS = """
 .fidsum { font-size: 13px; margin: 4px 0; }
 .fidtext { font-family: ui-monospace, monospace; font-size: 12px; line-height: 1.8;
   white-space: pre-wrap; word-break: break-word; max-height: 260px; overflow-y: auto;
-  border: 1px solid #e5e7eb; padding: 6px; border-radius: 6px; }
+  border: 1px solid var(--border-color-primary); padding: 6px; border-radius: 6px; }
 .fidtext mark { background: rgba(220, 38, 38, var(--a)); border-radius: 3px; }
 .fidtext .step { outline: 2px solid #2563eb; border-radius: 3px; }
 .fidlist { font-size: 12px; margin: 4px 0 0 0; }
@@ -134,8 +134,10 @@ class FidelityPanel:
             self.plot = gr.ScatterPlot(x="token", y="KL (nats)", color="top-1", height=240,
                                        color_map={AGREE: "#2563eb", DIFFER: "#dc2626"},
                                        title="KL(full ‖ bounded) per predicted token",
-                                       elem_id=f"{prefix}-fidelity-plot")
-            self.step = gr.Number(None, precision=0, minimum=0,
+                                       visible=enabled, elem_id=f"{prefix}-fidelity-plot")
+            # Plot and token box only while the shadow runs: off, they were 300 px of
+            # empty frames.
+            self.step = gr.Number(None, precision=0, minimum=0, visible=enabled,
                                   label="token shown: type one and press Enter (empty: the "
                                   "largest KL of this reply)", elem_id=f"{prefix}-fidelity-step")
             self.detail = gr.HTML(css_template=FIDELITY_CSS, elem_id=f"{prefix}-fidelity-detail")
@@ -157,12 +159,15 @@ class FidelityPanel:
         points = list(probe.points)
         tokens = list(probe.session.tokens)
         since = len(tokens) - len(probe.session.reply)
+        detail = self._detail(state, points, tokens, since)
         return {self.summary: summary_html(points, since),
-                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points)),
-                **self._detail(state, points, tokens, since)}
+                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points), visible=True),
+                **detail, self.step: gr.Number(detail[self.step], visible=True)}
 
     def cleared(self, note: str = "") -> dict:
-        return {self.summary: note, self.plot: None, self.step: None, self.detail: ""}
+        """The panel of a view without the shadow: the note, no plot."""
+        return {self.summary: note, self.plot: gr.ScatterPlot(visible=False),
+                self.step: gr.Number(None, visible=False), self.detail: ""}
 
     def _detail(self, state, points: list[FidelityPoint], tokens: list[int], since: int) -> dict:
         """The picked step (or this reply's largest KL) and its number in the box."""

@@ -12,7 +12,6 @@ views.
 
 from __future__ import annotations
 
-import html
 import os
 import tempfile
 import time
@@ -26,7 +25,7 @@ from h2o_chat.inputs import InputLimits
 from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
-from .map_panel import gauge_and_map
+from .refusals import Refusal, warn
 from .settings import new_cache
 from .view_state import ViewState, close_state, wait_for_model
 
@@ -41,10 +40,6 @@ MAX_CONVERSATION_BYTES = 5 * 1024**2
 _EXPORTS = tempfile.TemporaryDirectory(prefix="h2o-chat-files-")
 
 
-class Refused(Exception):
-    """A file the view does not take; the message is shown to the user."""
-
-
 def export_path(kind: str, suffix: str) -> Path:
     """A new file path for a download, named after the view and the time."""
     folder = tempfile.mkdtemp(dir=_EXPORTS.name)
@@ -53,10 +48,10 @@ def export_path(kind: str, suffix: str) -> Path:
 
 def checked_upload(path: str | None, limit: int) -> Path:
     if not path:
-        raise Refused("no file was uploaded")
+        raise Refusal("no file was uploaded")
     size = os.path.getsize(path)
     if size > limit:
-        raise Refused(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
+        raise Refusal(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
     return Path(path)
 
 
@@ -81,13 +76,14 @@ class FilesPanel:
     def _build(self) -> None:
         """The view's own controls, above save and resume."""
 
-    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
-        """Connect to ``tab``'s state, settings, gauge and map; ``state_type`` builds the
-        view's per-browser state."""
-        self.tab, self.state_type, self.gauge_label = tab, state_type, gauge_label
+    def wire(self, tab: Any, state_type: type[ViewState]) -> None:
+        """Connect to ``tab``'s state, settings, gauge, map and pins; ``state_type`` builds
+        the view's per-browser state."""
+        self.tab, self.state_type = tab, state_type
         self.save.click(self.on_save, {tab.state}, [self.download, self.status])
         self.view_inputs = {tab.state, tab.map.live, *tab.settings.components, *tab.map.pickers}
-        self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, self.status]
+        self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, *tab.pins.outputs,
+                             self.status]
         self.resume.upload(self.on_resume, {self.resume, *self.view_inputs},
                            self.view_outputs + self._session_outputs())
 
@@ -112,7 +108,7 @@ class FilesPanel:
             session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
                                    kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
                                    limits=InputLimits.of(self.tab.server))
-        except (Refused, SnapshotError) as err:
+        except (Refusal, SnapshotError) as err:
             return self._refused(str(err))
         state = self._new_state(loaded, cache, session)
         state.session = session
@@ -139,11 +135,12 @@ class FilesPanel:
     # ---- helpers --------------------------------------------------------------------------
 
     def _views(self, values: dict, state: ViewState) -> dict:
-        return gauge_and_map(self.tab.gauge, self.gauge_label, self.tab.map, state, values, True)
+        """The view's gauge, map and pin list, as at the end of a turn."""
+        return self.tab.views(values, state, True)
 
     def _refused(self, message: str, outcome: str = "Not loaded") -> dict:
         """Tell the user, change nothing else (the view keeps its session)."""
-        gr.Warning(html.escape(message))
+        warn(message)
         return {self.status: f"**{outcome}:** {message}"}
 
 
@@ -158,8 +155,8 @@ class ChatFiles(FilesPanel):
             self.import_json = gr.UploadButton("Import conversation (JSON)…", file_types=[".json"],
                                                elem_id="chat-import-json")
 
-    def wire(self, tab: Any, state_type: type[ViewState], gauge_label: str) -> None:
-        super().wire(tab, state_type, gauge_label)
+    def wire(self, tab: Any, state_type: type[ViewState]) -> None:
+        super().wire(tab, state_type)
         self.export_json.click(self.on_export_json, {tab.state}, [self.download, self.status])
         self.export_markdown.click(self.on_export_markdown, {tab.state}, [self.download, self.status])
         self.import_json.upload(self.on_import, {self.import_json, *self.view_inputs},
@@ -189,7 +186,7 @@ class ChatFiles(FilesPanel):
             state = self.state_type(loaded, self.tab.settings.cache(values),
                                     conversation.system_prompt or "", InputLimits.of(self.tab.server))
             state.rebuild(conversation.messages)
-        except (Refused, TranscriptError) as err:
+        except (Refusal, TranscriptError) as err:
             return self._refused(str(err))
         except ValueError as err:  # the session refused the history (e.g. a message too long)
             return self._refused(f"conversation file: {err}")

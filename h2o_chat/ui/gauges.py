@@ -16,16 +16,22 @@ from h2o_chat.session import SessionStats
 
 _MB = 1e6
 
-# For each gauge's gr.HTML (css_template, scoped to it).
+# For each gauge's gr.HTML (css_template, scoped to it). Text, greys and borders are the
+# theme's variables, so the gauge reads in light and dark mode; the state's colour is a
+# dot, not the text.
 GAUGE_CSS = """
-.gauge { border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 10px; font-size: 13px; }
+.gauge { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px 10px;
+  font-size: 13px; color: var(--body-text-color); }
 .gauge .glabel { font-weight: 600; margin-bottom: 2px; }
-.gauge .gbar { height: 8px; background: #f3f4f6; border-radius: 4px; margin: 6px 0; }
+.gauge .gbar { height: 8px; background: var(--background-fill-secondary); border-radius: 4px;
+  margin: 6px 0; }
 .gauge .gbar div { height: 100%; border-radius: 4px; background: #2563eb; }
-.gauge .gstate { color: #374151; }
-.gauge[data-state="filling"] .gstate, .gauge[data-state="empty"] .gstate { color: #047857; }
+.gauge .gstate::before { content: "● "; color: #2563eb; }
+.gauge[data-state="filling"] .gstate::before, .gauge[data-state="empty"] .gstate::before {
+  color: #10b981; }
 .gauge[data-state="full"] .gbar div { background: #d97706; }
-.gauge .gnums { color: #6b7280; margin-top: 4px; }
+.gauge[data-state="full"] .gstate::before { color: #d97706; }
+.gauge .gnums { color: var(--body-text-color-subdued); margin-top: 4px; }
 """
 
 
@@ -38,7 +44,7 @@ class Gauge:
     seen: int  # fed to the cache
     held: int  # slots per layer and head
     pinned: int
-    budget: int | None  # None: the full cache, no bound
+    budget: int | None  # most slots held: the settings' budget + pinned (None: unbounded)
     kv_bytes: int  # allocated, room for incoming tokens included
     held_bytes: int  # of which the slots in use
     tokens_per_s: float
@@ -68,13 +74,14 @@ class Gauge:
 
     @property
     def state(self) -> str:
-        """``empty`` (nothing fed yet), ``full`` (unbounded cache), ``filling`` (under
-        budget: nothing evicted yet) or ``at-budget`` (evicting)."""
+        """``empty`` (nothing fed yet), ``full`` (unbounded cache), ``filling`` (nothing
+        evicted yet) or ``at-budget`` (evicting). Once evicting, a cache stays
+        ``at-budget`` even when a new pin leaves it a few slots short of its limit."""
         if self.seen == 0:
             return "empty"
         if self.budget is None:
             return "full"
-        return "at-budget" if self.held >= self.budget else "filling"
+        return "at-budget" if self.evicted or self.held >= self.budget else "filling"
 
     @property
     def evicted(self) -> int:
@@ -105,17 +112,21 @@ def _state_line(g: Gauge) -> str:
 def gauge_html(g: Gauge) -> str:
     """The token counter (seen vs held vs budget), its state in words, memory and speed.
     The numbers are also ``data-*`` attributes, for tests and scripts."""
-    budget = "∞" if g.budget is None else str(g.budget)
+    # "Budget" is the settings' one everywhere (sink + heavy + recent); pins come on top.
+    budget = "∞" if g.budget is None else str(g.budget - g.pinned)
     budget_attr = "" if g.budget is None else str(g.budget)
-    fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
+    if g.seen == 0:
+        fill = 0.0
+    else:
+        fill = 100.0 if g.budget is None else min(100.0, 100.0 * g.held / max(g.budget, 1))
     return (
         f'<div class="gauge" data-state="{g.state}" data-tokens="{g.tokens}" '
         f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '
         f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
-        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · "
-        f"budget <b>{budget}</b>{f' ({g.pinned} pinned)' if g.pinned else ''}</div>"
+        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
+        f"{f' + <b>{g.pinned}</b> pinned' if g.pinned and g.budget is not None else ''}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
         f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · '
@@ -126,9 +137,9 @@ def gauge_html(g: Gauge) -> str:
 
 @dataclass
 class TurnSeries:
-    """KV memory and slots held per turn of several caches, for the line plots. The
-    turn in progress is recorded again on every update, so the plots move live. Turns are
-    labels rather than numbers, so the axis never shows a turn 1.5; ``order`` sorts them."""
+    """KV memory and slots held per turn of several caches, for the line plots. A turn
+    recorded again replaces its rows. Turns are labels rather than numbers, so the axis
+    never shows a turn 1.5; ``order`` sorts them."""
 
     rows: list[dict] = field(default_factory=list)
 

@@ -15,6 +15,24 @@ from .view_state import ViewState, unchanged
 
 ALL = -1  # picker value for "every layer" / "every KV head"
 
+# Runs once in the page: a token map, re-rendered with each update, shows its newest
+# tokens (its end) unless the user scrolled up in it to read.
+FOLLOW_NEWEST = """() => {
+  const following = {};
+  const view = map => map.closest("[id]").id;
+  document.addEventListener("scroll", (event) => {
+    const map = event.target;
+    if (!(map instanceof Element) || !map.classList.contains("tokmap")) return;
+    following[view(map)] = map.scrollTop + map.clientHeight >= map.scrollHeight - 24;
+  }, true);
+  new MutationObserver((records) => {
+    if (!records.some(r => r.target instanceof Element && r.target.closest("[id$=token-map]"))) return;
+    for (const map of document.querySelectorAll(".tokmap")) {
+      if (following[view(map)] !== false) map.scrollTop = map.scrollHeight;
+    }
+  }).observe(document.body, {childList: true, subtree: true});
+}"""
+
 
 class MapPanel:
     """Built inside the view's Blocks context; ``render`` returns its output updates."""

@@ -16,14 +16,16 @@ import gradio as gr
 from h2o_chat.engine.cache import CacheStats
 from h2o_chat.session import Pin, Session
 
+from .refusals import Refusal, warn
 from .view_state import ViewState
 
 # For the panel's gr.HTML (css_template, scoped to it).
 PIN_CSS = """
 .pins { font-size: 13px; }
 .pins table { border-collapse: collapse; width: 100%; margin-top: 4px; }
-.pins td, .pins th { border-top: 1px solid #e5e7eb; padding: 2px 6px; text-align: left; }
-.pins .fixed { color: #6b7280; }
+.pins td, .pins th { border-top: 1px solid var(--border-color-primary); padding: 2px 6px;
+  text-align: left; }
+.pins .fixed { color: var(--body-text-color-subdued); }
 """
 
 TEXT_SHOWN = 80  # characters of a pin's text in the list
@@ -164,7 +166,7 @@ class PinPanel:
             with state.running():
                 change(state.map_session())
                 update = self.render(state.map_session()) | self._refresh(values, state)
-        except (ValueError, RuntimeError, gr.Error) as err:
-            gr.Warning(html.escape(str(err)))
+        except (ValueError, RuntimeError, Refusal) as err:
+            warn(str(err))
             return self.unchanged
         return update | ({self.text: ""} if clear_text else {})

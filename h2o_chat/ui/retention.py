@@ -26,9 +26,11 @@ MAX_HEAT_COLUMNS = 600
 LEVELS = 10  # colour steps of the hold fraction
 _DARK_FROM = 6  # levels from here on get white text
 
-_NONE_RGB = np.array([243, 244, 246], dtype=np.float32)  # light grey: evicted
 _FEW_RGB = np.array([219, 234, 254], dtype=np.float32)  # pale blue: held by few pairs
 _ALL_RGB = np.array([29, 78, 216], dtype=np.float32)  # blue: held by every pair
+# Text on the pale levels: dark in either theme (the theme's own text colour is light in
+# dark mode, unreadable on pale blue).
+_LIGHT_LEVEL_TEXT = "#111827"
 
 
 def _css_rgb(fraction: float) -> str:
@@ -37,27 +39,30 @@ def _css_rgb(fraction: float) -> str:
 
 
 # For the map's gr.HTML (css_template, scoped to it): one class per level keeps each
-# token's markup short, which matters at thousands of tokens per update.
+# token's markup short, which matters at thousands of tokens per update. Greys and
+# borders are the theme's variables, so the map follows light and dark mode.
 TOKEN_MAP_CSS = "\n".join(
     [
         ".tokmap { font-family: ui-monospace, monospace; font-size: 12px; line-height: 1.8;"
         " white-space: pre-wrap; word-break: break-word; max-height: 320px; overflow-y: auto;"
-        " border: 1px solid #e5e7eb; padding: 6px; border-radius: 6px; }",
+        " border: 1px solid var(--border-color-primary); padding: 6px; border-radius: 6px; }",
         ".tokmap span, .maplegend span { border-radius: 3px; }",
         ".maplegend { font-size: 12px; margin: 4px 0; }",
         ".maplegend span { padding: 0 5px; margin-right: 4px; }",
-        ".ev { color: #9ca3af; background: #f3f4f6; text-decoration: line-through; }",
-        ".pd { outline: 1px dashed #9ca3af; }",
+        ".ev { color: var(--body-text-color-subdued); text-decoration: line-through; }",
+        ".pd { outline: 1px dashed var(--body-text-color-subdued); }",
         ".heat { position: relative; margin: 8px 0 0 8px; }",
         ".heat img { width: 100%; height: 180px; image-rendering: pixelated; display: block;"
-        " border: 1px solid #d1d5db; }",
+        " border: 1px solid var(--border-color-primary); }",
         ".heat .sel { position: absolute; left: -8px; width: 5px; background: #dc2626; }",
-        ".heataxis { display: flex; justify-content: space-between; font-size: 11px;"
-        " color: #6b7280; margin-left: 8px; }",
+        # Wraps on a narrow screen instead of running its three labels together.
+        ".heataxis { display: flex; flex-wrap: wrap; justify-content: space-between;"
+        " column-gap: 12px; font-size: 11px; color: var(--body-text-color-subdued);"
+        " margin-left: 8px; }",
     ]
     + [
         f".k{k} {{ background: {_css_rgb(k / LEVELS)};"
-        f"{' color: white;' if k >= _DARK_FROM else ''} }}"
+        f" color: {'white' if k >= _DARK_FROM else _LIGHT_LEVEL_TEXT}; }}"
         for k in range(1, LEVELS + 1)
     ]
 )
@@ -150,12 +155,15 @@ def token_map_html(
 
 
 def heatmap_png(rows: np.ndarray) -> bytes:
-    """``(layers, columns)`` fractions in [0, 1] as a PNG, one pixel each: grey (held by
-    none) to blue (held by all)."""
+    """``(layers, columns)`` fractions in [0, 1] as a PNG, one pixel each: pale blue (held
+    by few) to blue (held by all), and transparent where none holds it, so evicted cells
+    show the page's own background in light and dark mode alike."""
     fraction = rows.clip(0, 1)[..., None]
-    rgb = _NONE_RGB + (_ALL_RGB - _NONE_RGB) * fraction
+    rgb = _FEW_RGB + (_ALL_RGB - _FEW_RGB) * fraction
+    alpha = np.where(fraction > 0, 255.0, 0.0)
+    rgba = np.concatenate([rgb, alpha], axis=-1).round().astype(np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(rgb.round().astype(np.uint8), "RGB").save(buffer, format="PNG")
+    Image.fromarray(rgba, "RGBA").save(buffer, format="PNG")
     return buffer.getvalue()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
@@ -10,6 +11,8 @@ import gradio as gr
 from h2o_chat.config import POLICIES, AppConfig, CacheConfig, ConfigError, validate
 from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
+
+from .refusals import Refusal
 
 
 class Settings:
@@ -29,19 +32,21 @@ class Settings:
                 self.max_new_tokens = gr.Slider(
                     1, max(1024, gen.max_new_tokens), value=gen.max_new_tokens, step=1,
                     label="max new tokens per reply", elem_id="max-new-tokens")
-                self.seed = gr.Number(gen.seed, precision=0, minimum=0,
-                                      label="seed (empty = random)", elem_id="seed")
+                # A text box: Gradio's number box shows (and sends) 0 when empty, which
+                # made every reply repeat the last one.
+                self.seed = gr.Textbox("" if gen.seed is None else str(gen.seed),
+                                       label="seed (empty = random)", placeholder="random",
+                                       elem_id="seed")
+            # No ``minimum`` on the number boxes: Gradio's own check would refuse a bad
+            # value with a message that does not name the setting; ``cache`` names it.
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
                 self.policy = gr.Dropdown(list(POLICIES), value=cache.policy, label="cache policy",
                                           elem_id="policy")
-                self.heavy = gr.Number(cache.heavy, precision=0, minimum=0,
-                                       label="heavy slots", elem_id="heavy")
-                self.recent = gr.Number(cache.recent, precision=0, minimum=0,
-                                        label="recent slots", elem_id="recent")
-                self.sink = gr.Number(cache.sink, precision=0, minimum=0,
-                                      label="sink slots", elem_id="sink")
+                self.heavy = gr.Number(cache.heavy, precision=0, label="heavy slots", elem_id="heavy")
+                self.recent = gr.Number(cache.recent, precision=0, label="recent slots", elem_id="recent")
+                self.sink = gr.Number(cache.sink, precision=0, label="sink slots", elem_id="sink")
                 self.rolling = gr.Checkbox(
                     cache.rolling, label="rolling positions", elem_id="rolling",
                     info="cached tokens at their rank in the cache, so a conversation can "
@@ -53,38 +58,73 @@ class Settings:
                 self.policy, self.heavy, self.recent, self.sink, self.rolling}
 
     def sampling(self, values: dict) -> dict[str, Any]:
-        """Keyword arguments of ``session.send`` (checked there)."""
-        return {
-            "temperature": float(values[self.temperature]),
-            "top_p": float(values[self.top_p]),
-            "max_new_tokens": int(values[self.max_new_tokens]),
-            "seed": None if values[self.seed] is None else int(values[self.seed]),
-        }
+        """Keyword arguments of ``session.send``, checked by the config file's rules;
+        a ``Refusal`` naming the setting if one is bad. No seed: a new one per reply."""
+        generation = dataclasses.replace(
+            self.config.generation, temperature=float(values[self.temperature]),
+            top_p=float(values[self.top_p]), max_new_tokens=int(values[self.max_new_tokens]),
+            seed=_seed(values[self.seed]))
+        generation = _checked(dataclasses.replace(self.config, generation=generation)).generation
+        return {name: getattr(generation, name)
+                for name in ("temperature", "top_p", "max_new_tokens", "seed")}
 
     def cache(self, values: dict) -> CacheConfig:
-        """The cache settings, checked by the config file's rules; gr.Error if bad."""
+        """The cache settings, checked by the config file's rules; a ``Refusal`` naming
+        the setting if one is bad."""
         cache = dataclasses.replace(
             self.config.cache, policy=values[self.policy], rolling=bool(values[self.rolling]),
             **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
         )
-        try:
-            return validate(dataclasses.replace(self.config, cache=cache)).cache
-        except ConfigError as err:
-            raise gr.Error(str(err)) from None
+        return _checked(dataclasses.replace(self.config, cache=cache)).cache
+
+
+    def follow(self, state: gr.State, outputs: list[gr.components.Component],
+               show: Callable[[CacheConfig], dict]) -> None:
+        """While a view has no session (``state`` holds None), ``show(cache)`` gives its
+        updates for the cache settings as they change, so its gauge and labels tell the
+        budget its next session gets. Settings not valid yet (the user may be typing)
+        change nothing: sending says what is wrong."""
+        def changed(values: dict) -> dict:
+            if values[state] is None:
+                try:
+                    return show(self.cache(values))
+                except Refusal:
+                    pass
+            return {outputs[0]: gr.skip()}
+
+        gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink)],
+              changed, {state, *self.components}, outputs, show_progress="hidden")
 
 
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
-    """A cache for ``model``; gr.Error if the budget does not fit the model's context."""
+    """A cache for ``model``; a ``Refusal`` if the budget does not fit the model's context."""
     try:
         return cache_from_config(model, cache)
     except ConfigError as err:
-        raise gr.Error(str(err)) from None
+        raise Refusal(str(err)) from None
 
 
 def budget(cache: CacheConfig) -> int | None:
     """Slots a cache with these settings holds at rest, besides pinned tokens (None:
     unbounded)."""
     return policy_from_config(cache).capacity
+
+
+def _checked(config: AppConfig) -> AppConfig:
+    try:
+        return validate(config)
+    except ConfigError as err:
+        raise Refusal(str(err)) from None
+
+
+def _seed(text: str) -> int | None:
+    if not text.strip():
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise Refusal(f"generation.seed = {text.strip()!r}: must be an integer >= 0, "
+                      "or empty for a new seed per reply") from None
 
 
 def _int_or_none(value: float | None) -> int | None:

@@ -11,14 +11,16 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
 from h2o_chat.session import StorySession
 
+from .controls import SendStopSwap, stop_button
 from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
 from .provider import LoadedModel, ModelProvider
+from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
-from .view_state import ViewState, browser_state, close_state, generating, stop_state, wait_for_model
+from .view_state import ViewState, browser_state, close_state, generating, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -65,14 +67,14 @@ class StoryTab:
                     placeholder="e.g. Mira: a lighthouse keeper on a northern island. "
                                 "Tomas: her younger brother, a fisherman.")
                 self.story = gr.Textbox(
-                    lines=14, max_lines=30, elem_id="story-text",
+                    lines=10, max_lines=30, elem_id="story-text",
                     label="Story so far: edit it freely, then continue",
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
                 self.tokens = gr.Slider(1, 1024, value=64, step=1,
                                         label="tokens per continue", elem_id="story-tokens")
                 with gr.Row():
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
-                    self.stop = gr.Button("Stop", elem_id="story-stop")
+                    self.stop = stop_button("story", self.state)
                     self.new = gr.Button("New story", elem_id="story-new")
             with gr.Column(scale=2):
                 self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
@@ -89,23 +91,26 @@ class StoryTab:
 
     def _wire(self) -> None:
         outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
-        self.go.click(
-            self.on_continue,
+        swap = SendStopSwap(self.go, self.stop, self.state)
+        swap.on([self.go.click])
+        turn = self.go.click(
+            refusing(self.on_continue, self.story),
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
-        self.stop.click(stop_state, [self.state], None, concurrency_limit=None,
-                        show_progress="hidden")
-        self.new.click(self.on_new, {self.state, *self.settings.components}, outputs)
+        swap.until([turn])
+        self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
+        self.settings.follow(self.state, [self.gauge],
+                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
         self.map.wire(self.state)
-        self.files.wire(self, StoryState, GAUGE_LABEL)
-        self.pins.wire(self.state, lambda values, state: self._views(values, state, True),
+        self.files.wire(self, StoryState)
+        self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
 
     def on_continue(self, values: dict) -> Iterator[dict]:
         bible, story = values[self.bible], values[self.story]
         if not story.strip() and not bible.strip():
-            raise gr.Error("Write a beginning (or a story bible) to continue from.")
+            raise Refusal("Write a beginning (or a story bible) to continue from.")
         if not self.provider.ready:
             gr.Info("Waiting for the model to load…")
         loaded = wait_for_model(self.provider)
@@ -122,22 +127,24 @@ class StoryTab:
             try:
                 stream = state.session.send(story[len(state.session.text):], **sampling)
             except ValueError as err:
-                raise gr.Error(str(err)) from None
+                raise Refusal(str(err)) from None
             yield {self.state: state}
             yield from stream_turn(
                 stream,
                 show=lambda added: {self.story: story + added},
-                views=lambda final: self._views(values, state, final),
+                views=lambda final: self.views(values, state, final),
                 final=lambda: {self.story: state.session.text},
                 closed=lambda: state.closed,
             )
 
     def on_new(self, values: dict) -> dict:
+        cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.story: "",
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(self.settings.cache(values))),
+                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
-    def _views(self, values: dict, state: StoryState, final: bool) -> dict:
+    def views(self, values: dict, state: StoryState, final: bool) -> dict:
+        """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""
         pins = self.pins.render(state.session) if final else {}
         return gauge_and_map(self.gauge, GAUGE_LABEL, self.map, state, values, final) | pins

@@ -14,7 +14,7 @@ from h2o_chat.config import ServerConfig
 from h2o_chat.session import Session, SessionStats
 
 from .provider import LoadedModel, ModelProvider
-
+from .refusals import Refusal
 
 
 def generating(server: ServerConfig) -> dict:
@@ -42,7 +42,7 @@ def wait_for_model(provider: ModelProvider) -> LoadedModel:
     try:
         return provider.get()
     except RuntimeError as err:
-        raise gr.Error(str(err)) from None
+        raise Refusal(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ViewState:
         """Hold the view's turn: two turns (or a turn and an edit) never overlap."""
         # A plain Lock, not an RLock: Gradio may resume a generator in another thread.
         if not self._turn.acquire(blocking=False):
-            raise gr.Error("A reply is still streaming: press Stop first.")
+            raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
         try:
             yield
         finally:

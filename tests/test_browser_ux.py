@@ -1,0 +1,279 @@
+"""What a new user meets first, in the real app and Debian's chromium: sampling that
+varies, refusals as one message, a compare view that stays responsive and resets
+cleanly."""
+
+from __future__ import annotations
+
+import base64
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from playwright.sync_api import expect
+
+from .browser_support import (
+    configure, gauge, messages, open_app, open_tab, page_errors, running_app, send,
+    set_number, show_settings, start_and_wait, toasts,
+)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def app_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("app") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def app_url(app_log):
+    with running_app(log_path=app_log) as url:
+        yield url
+
+
+def _expect_toast(page, text: str) -> None:
+    expect(page.locator("[data-testid=toast-body]", has_text=text)).to_have_count(1)
+
+
+def _no_error_pills(page) -> None:
+    """No output is marked failed (Gradio paints a red "Error" over each)."""
+    expect(page.get_by_text("Error", exact=True)).to_have_count(0)
+
+
+def test_empty_seed_samples_anew_and_a_fixed_seed_repeats(page):
+    show_settings(page)
+    assert page.locator("#seed").locator("input, textarea").input_value() == ""  # config: null
+    configure(page, temperature=1.0, top_p=1.0, max_new_tokens=24)
+    send(page, "#chat-input", "#chat-send", "Tell me a one-line story about a cat.")
+    replies = [messages(page, "chatbot", "bot")[-1]]
+    for _ in range(2):
+        start_and_wait(page, "#chat-regenerate")
+        replies.append(messages(page, "chatbot", "bot")[-1])
+    assert len(set(replies)) > 1, replies  # three identical samples: the seed was fixed
+    set_number(page, "seed", 7)
+    fixed = []
+    for _ in range(2):
+        start_and_wait(page, "#chat-regenerate")
+        fixed.append(messages(page, "chatbot", "bot")[-1])
+    assert fixed[0] == fixed[1]
+
+
+def test_refusals_are_one_message_naming_the_setting(page, app_log):
+    configure(page, heavy=-5, max_new_tokens=8)
+    page.fill("#chat-input textarea", "Hello there.")
+    page.click("#chat-send")
+    _expect_toast(page, "cache.heavy = -5: must be an integer >= 0")
+    _no_error_pills(page)
+    assert page.input_value("#chat-input textarea") == "Hello there."  # kept, to send again
+    page.fill("#chat-input textarea", "   ")
+    page.click("#chat-send")
+    _expect_toast(page, "Type a message first.")
+    _no_error_pills(page)
+    set_number(page, "heavy", 16)
+    send(page, "#chat-input", "#chat-send", "Hello there.")  # every control still works
+    assert messages(page, "chatbot", "user") == ["Hello there."]
+    assert messages(page, "chatbot", "bot")[0].strip()
+    _no_error_pills(page)
+    assert "Traceback" not in app_log.read_text()
+
+
+def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
+    errors = page_errors(page)
+    open_tab(page, "Compare")
+    configure(page, heavy=16, recent=16, max_new_tokens=16)
+    for question in ["Name a fruit.", "What colour is it?"]:
+        send(page, "#compare-input", "#compare-send", question)
+    for plot in ("compare-memory-plot", "compare-slots-plot"):
+        assert page.locator(f"#{plot} canvas, #{plot} svg").count() > 0
+    assert int(gauge(page, "compare-full-gauge")["held"]) > int(gauge(page, "compare-bounded-gauge")["held"])
+    # The fidelity gauge is off: no empty plot or token box takes room.
+    for off in ("compare-fidelity-plot", "compare-fidelity-step"):
+        expect(page.locator(f"#{off}")).to_be_hidden()
+    expect(page.locator("#compare-fidelity-summary")).to_contain_text("fidelity gauge off")
+    page.click("#compare-reset")
+    page.wait_for_function("() => !document.querySelector('#compare-full-chat [data-testid=bot]')")
+    page.wait_for_function(
+        "() => document.querySelector('#compare-bounded-gauge .gauge').dataset.state === 'empty'")
+    page.wait_for_timeout(1500)  # what a reset throws arrives after the views clear
+    page.check("#compare-fidelity-on input")
+    send(page, "#compare-input", "#compare-send", "Name a colour.")
+    assert len(messages(page, "compare-full-chat", "bot")) == 1
+    expect(page.locator("#compare-fidelity-plot")).to_be_visible()
+    assert page.locator("#compare-fidelity-plot canvas, #compare-fidelity-plot svg").count() > 0
+    assert errors == []
+    assert not toasts(page)
+
+
+# What must be on screen, without scrolling, in each view at 1366 x 768.
+IN_VIEW = {
+    "Chat": ["chat-input", "chat-send", "chat-regenerate", "chat-undo", "chat-new"],
+    "Compare": ["compare-input", "compare-send", "compare-reset"],
+    "Story": ["story-continue", "story-new"],
+}
+
+
+def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
+    page = open_app(browser, app_url, width=1366, height=768)
+    try:
+        for tab, ids in IN_VIEW.items():
+            open_tab(page, tab)
+            for elem_id in ids:
+                box = page.locator(f"#{elem_id}").bounding_box()
+                assert box and box["y"] + box["height"] <= 768, (elem_id, box)
+        open_tab(page, "Chat")
+        configure(page, max_new_tokens=300)
+        show_settings(page, False)
+        page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+        page.press("#chat-input textarea", "Enter")
+        expect(page.locator("#chat-stop")).to_be_visible()
+        expect(page.locator("#chat-send")).to_be_hidden()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+            ".some(e => e.innerText.length > 20)")
+        page.fill("#chat-input textarea", "And then?")  # a second Enter is answered, not lost
+        page.press("#chat-input textarea", "Enter")
+        _expect_toast(page, "A reply is still streaming: press Stop (or Esc) first.")
+        expect(page.locator("#chat-stop")).to_be_visible()
+        page.keyboard.press("Escape")
+        expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+        expect(page.locator("#chat-stop")).to_be_hidden()
+        assert int(gauge(page, "chat-gauge")["tokens"]) < 250  # stopped well before 300 new
+        assert messages(page, "chatbot", "user") == ["Count from one to two hundred in words."]
+        assert page.input_value("#chat-input textarea") == "And then?"
+    finally:
+        page.context.close()
+
+
+def test_one_budget_that_follows_the_settings(page):
+    open_tab(page, "Compare")
+    configure(page, heavy=16, recent=16)
+    # Before the first message the bounded side's title and gauge follow the settings.
+    expect(page.locator("#compare-bounded-title")).to_contain_text("h2o cache (36 slots)")
+    expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget", "36")
+    open_tab(page, "Story")
+    expect(page.locator("#story-gauge .gauge")).to_have_attribute("data-budget", "36")
+    page.fill("#story-text textarea", "The storm reached the island at dusk.")
+    set_number(page, "story-tokens", 48)
+    start_and_wait(page, "#story-continue")
+    assert gauge(page, "story-gauge")["state"] == "at-budget"
+    # Pin the newest words (still held everywhere): the gauge keeps saying the cache is
+    # evicting, and "budget" stays the settings' 36 with the pins on top.
+    newest = " ".join(page.input_value("#story-text textarea").split()[-3:])
+    page.fill("#story-pin-text textarea", newest)
+    page.click("#story-pin")
+    expect(page.locator("#story-pin-list .pins")).to_have_attribute("data-count", "1")
+    expect(page.locator("#story-gauge")).to_contain_text("tokens evicted per layer and head")
+    pinned = page.locator("#story-pin-list .pins").get_attribute("data-pinned")
+    expect(page.locator("#story-gauge")).to_contain_text(f"budget 36 + {pinned} pinned")
+    assert gauge(page, "story-gauge")["state"] == "at-budget"
+
+
+# WCAG contrast of an element's text against the first opaque background behind it.
+CONTRAST = """selector => {
+  const element = document.querySelector(selector);
+  if (!element) return null;
+  const rgb = colour => (colour.match(/[\\d.]+/g) || []).map(Number);
+  let behind = [255, 255, 255];
+  for (let e = element; e; e = e.parentElement) {
+    const c = rgb(getComputedStyle(e).backgroundColor);
+    if (c.length === 3 || c[3] > 0.5) { behind = c.slice(0, 3); break; }
+  }
+  const channel = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+  const lum = ([r, g, b]) => 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+  const [a, b] = [lum(rgb(getComputedStyle(element).color).slice(0, 3)), lum(behind)];
+  return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+}"""
+
+
+def test_dark_mode_keeps_the_gauge_and_the_maps_readable(browser, app_url):
+    page = open_app(browser, app_url + "?__theme=dark")
+    try:
+        assert page.evaluate("() => document.body.classList.contains('dark')")
+        open_tab(page, "Story")
+        configure(page, heavy=16, recent=16)
+        page.fill("#story-text textarea", "The storm reached the island at dusk.")
+        set_number(page, "story-tokens", 64)
+        start_and_wait(page, "#story-continue")
+        for selector, least in [
+            ("#story-gauge .gstate", 4.5), ("#story-gauge .gnums", 3),
+            ("#story-token-map .maplegend .k1", 4.5), ("#story-token-map .maplegend .ev", 3),
+            ("#story-token-map .tokmap .ev", 3), ("#story-heat-map .heataxis", 3),
+        ]:
+            contrast = page.evaluate(CONTRAST, selector)
+            assert contrast is not None and contrast >= least, (selector, contrast)
+        src = page.locator("#story-heat-map img").get_attribute("src")
+        image = Image.open(BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGBA")
+        pixels = np.asarray(image)
+        shown = pixels[..., 3] > 0
+        assert not shown.all()  # evicted cells are see-through: they show the dark page
+        assert not (shown & (pixels[..., :3].min(axis=-1) > 230)).any()  # none glaring white
+    finally:
+        page.context.close()
+
+
+def test_the_token_map_follows_the_newest_tokens(browser, app_url):
+    page = open_app(browser, app_url, width=700, height=900)
+    try:
+        configure(page, max_new_tokens=8)
+        text = (DATA / "pride_and_prejudice_ch1-6.txt").read_text()[:2500]
+        send(page, "#chat-input", "#chat-send", f"Summarize this in one line: {text}")
+        tokmap = page.locator("#chat-token-map .tokmap")
+        assert tokmap.evaluate("m => m.scrollHeight > m.clientHeight")  # it does scroll
+        page.wait_for_function(
+            "() => { const m = document.querySelector('#chat-token-map .tokmap');"
+            " return m.scrollTop + m.clientHeight >= m.scrollHeight - 30; }", timeout=5_000)
+    finally:
+        page.context.close()
+
+
+def test_nothing_floats_over_the_top_of_the_chats(browser, app_url):
+    page = open_app(browser, app_url, height=720)
+    try:
+        configure(page, max_new_tokens=40)
+        show_settings(page, False)
+        questions = ["Name three fruits and describe each.", "Now three vegetables, described."]
+        for question in questions:
+            send(page, "#chat-input", "#chat-send", question)
+        assert _top_edge_reaches_the_conversation(page, "chatbot") == [True, True, True]
+        open_tab(page, "Compare")
+        for question in questions:
+            send(page, "#compare-input", "#compare-send", question)
+        for chat in ("compare-bounded-chat", "compare-full-chat"):
+            assert _top_edge_reaches_the_conversation(page, chat) == [True, True, True], chat
+    finally:
+        page.context.close()
+
+
+def _top_edge_reaches_the_conversation(page, chatbot: str):
+    """Along the top edge of the chat's scrolled conversation (bar the corner, where the
+    Clear icon stays), whether a click reaches the conversation itself, not a label or an
+    icon floating over it."""
+    return page.locator(f"#{chatbot} [role=log]").evaluate("""log => {
+      let box = log;
+      while (box !== document.body && !(box.scrollHeight > box.clientHeight + 4 &&
+             /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
+      if (box === document.body || box.scrollTop === 0) return "not scrolled";
+      const r = box.getBoundingClientRect();
+      return [[r.left + 14, r.top + 14], [(r.left + r.right) / 2, r.top + 14],
+              [r.right - 50, r.top + 14]].map(([x, y]) => {
+        const hit = document.elementFromPoint(x, y);
+        return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
+      });
+    }""")
+
+
+def test_the_heat_map_caption_stays_apart_at_400_px(browser, app_url):
+    page = open_app(browser, app_url, width=400, height=800)
+    try:
+        configure(page, max_new_tokens=4)
+        send(page, "#chat-input", "#chat-send", "Hi!")
+        labels = page.locator("#chat-heat-map .heataxis span")
+        boxes = [labels.nth(i).bounding_box() for i in range(labels.count())]
+        assert len(boxes) == 3
+        for left, right in zip(boxes, boxes[1:]):
+            same_line = abs(left["y"] - right["y"]) < left["height"] / 2
+            assert not same_line or right["x"] - (left["x"] + left["width"]) >= 8, (left, right)
+    finally:
+        page.context.close()

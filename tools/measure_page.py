@@ -1,0 +1,143 @@
+"""How smooth the page stays while replies stream: ``python -m tools.measure_page``.
+
+Drives the real app in Debian's chromium through a fixed script (4 chat turns, 4 compare
+turns then Reset, one story continue) and prints, per view, the longest gap between two
+animation frames and the total long-task time (PerformanceObserver ``longtask``: main
+thread busy > 50 ms) while streaming, and the console errors and uncaught page errors of
+the whole visit (the compare Reset included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from playwright.sync_api import Page, sync_playwright
+
+from tests.browser_support import (
+    DONE_TIMEOUT_MS, chromium, configure, open_app, open_tab, page_errors, running_app,
+    set_number,
+)
+
+CHAT_TURNS = ["Name a fruit.", "What colour is it?", "Where does it grow?",
+              "Write one sentence about it."]
+STORY_BEGINNING = "The storm reached the island at dusk, and Mira climbed the stairs."
+
+# Started before the page's own scripts: frame gaps and long tasks are recorded only
+# while window.__measure.on is set, i.e. while a reply streams.
+_PROBE = """
+window.__measure = {on: false, gap: 0, longtask: 0, last: null};
+new PerformanceObserver(list => {
+  if (!window.__measure.on) return;
+  for (const entry of list.getEntries()) window.__measure.longtask += entry.duration;
+}).observe({type: "longtask", buffered: false});
+(function frame(now) {
+  const m = window.__measure;
+  if (m.on && m.last !== null) m.gap = Math.max(m.gap, now - m.last);
+  m.last = m.on ? now : null;
+  requestAnimationFrame(frame);
+})(performance.now());
+"""
+
+
+@dataclass
+class ViewResult:
+    view: str
+    turns: int = 0
+    streaming_s: float = 0.0
+    longest_gap_ms: float = 0.0
+    longtask_ms: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def _streamed_turn(page: Page, result: ViewResult, start: Callable[[], None]) -> None:
+    """One turn, measured from the click until the page has no running event left."""
+    page.evaluate("() => Object.assign(window.__measure, {on: true, last: null})")
+    began = time.monotonic()
+    start()
+    page.wait_for_selector(".generating", timeout=10_000)
+    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+    result.streaming_s += time.monotonic() - began
+    page.evaluate("() => { window.__measure.on = false; }")
+    result.turns += 1
+
+
+def _send(page: Page, box: str, button: str, text: str) -> Callable[[], None]:
+    def start() -> None:
+        page.fill(f"{box} textarea", text)
+        page.click(button)
+    return start
+
+
+def chat(page: Page, result: ViewResult) -> None:
+    for text in CHAT_TURNS:
+        _streamed_turn(page, result, _send(page, "#chat-input", "#chat-send", text))
+
+
+def compare(page: Page, result: ViewResult) -> None:
+    for text in CHAT_TURNS:
+        _streamed_turn(page, result, _send(page, "#compare-input", "#compare-send", text))
+    page.click("#compare-reset")
+    page.wait_for_function(
+        "() => !document.querySelector('#compare-full-chat [data-testid=bot]')", timeout=30_000)
+    time.sleep(2)  # errors a reset throws arrive after the chat clears
+
+
+def story(page: Page, result: ViewResult) -> None:
+    page.fill("#story-text textarea", STORY_BEGINNING)
+    set_number(page, "story-tokens", 96)
+    _streamed_turn(page, result, lambda: page.click("#story-continue"))
+
+
+VIEWS: dict[str, Callable[[Page, ViewResult], None]] = {
+    "chat": chat, "compare": compare, "story": story,
+}
+
+
+def measure(url: str, browser, view: str, max_new_tokens: int, live_map: bool = True) -> ViewResult:
+    result = ViewResult(view if live_map else f"{view} (map not live)")
+    page = open_app(browser, url, width=1366, height=768)
+    try:
+        result.errors = page_errors(page)
+        page.evaluate(_PROBE)
+        open_tab(page, view.title())
+        configure(page, heavy=16, recent=16, max_new_tokens=max_new_tokens, seed=1)
+        if not live_map:
+            page.locator(f"#{view}-map-live input").uncheck(force=True)
+        VIEWS[view](page, result)
+        numbers = page.evaluate("() => window.__measure")
+        result.longest_gap_ms, result.longtask_ms = numbers["gap"], numbers["longtask"]
+    finally:
+        page.context.close()
+    return result
+
+
+def table(results: list[ViewResult]) -> str:
+    rows = [("view", "turns", "streaming s", "longest frame gap s", "long tasks s", "console errors")]
+    rows += [(r.view, str(r.turns), f"{r.streaming_s:.1f}", f"{r.longest_gap_ms / 1000:.2f}",
+              f"{r.longtask_ms / 1000:.1f}", str(len(r.errors))) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--views", nargs="+", choices=list(VIEWS), default=list(VIEWS))
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--map-off-too", action="store_true",
+                        help="measure each view again with the live map off")
+    args = parser.parse_args(argv)
+    with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
+        results = [measure(url, browser, view, args.max_new_tokens, live)
+                   for view in args.views for live in [True, False][: 1 + args.map_off_too]]
+    print(table(results))
+    for result in results:
+        for error in sorted(set(result.errors))[:5]:
+            print(f"{result.view}: {result.errors.count(error)}x {error[:200]}")
+
+
+if __name__ == "__main__":
+    main()
