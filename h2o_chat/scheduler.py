@@ -1,6 +1,6 @@
 """One worker per model runs every forward pass: the next token of every conversation
 that is decoding goes through the model as one batch (continuous batching), and long
-prompts are fed one chunk per step in between, so a long paste delays the others by
+prompts are fed one piece per step in between, so a long paste delays the others by
 about one chunk, never by the whole paste.
 
 Callers (sessions, the fidelity probe) keep their own state and threads: a caller hands
@@ -24,8 +24,10 @@ from transformers.cache_utils import Cache
 from .engine.rows import RowsCache
 
 # How long a step waits for the conversations still sampling their previous token to
-# hand in their next one. Each caller needs about a millisecond between steps; a caller
-# whose reader stalls (a slow client) costs the others at most this much per step.
+# hand in their next one, and a conversation starting a turn for others starting theirs
+# (so replies begun together run as one batch from their first token). Each caller needs
+# about a millisecond between steps; a caller whose reader stalls (a slow client) costs
+# the others at most this much per step.
 GATHER_S = 0.004
 # A prompt is fed at most this many tokens per step, so a conversation that arrives
 # while a long paste is being read waits for one piece, not a whole chunk. On the 2-core
@@ -117,25 +119,30 @@ class BatchScheduler:
                                             name="h2o-chat-scheduler", daemon=True)
             self._worker.start()
 
-    def _next_step(self, timeout: float) -> tuple[list[_Request], _Request | None, int] | None:
-        """The decode rows of the next step, and at most one prompt with the end of the
-        piece of it to feed; None when nothing came within ``timeout``."""
+    def _next_step(self, timeout: float) -> tuple[list[_Request], list[_Request]] | None:
+        """The decode rows of the next step and the prompts to feed one piece of each;
+        None when nothing came within ``timeout``."""
         with self._changed:
             if not self._changed.wait_for(lambda: self._pending, timeout=timeout):
                 return None
-            self._changed.wait_for(lambda: len(self._pending) >= self._turns, timeout=self.gather_s)
+            # A prompt not begun yet is a turn starting: give the others starting
+            # theirs the whole window, so what runs together does not depend on which
+            # thread got there first (batched rows compute with other rounding than one
+            # row alone).
+            self._changed.wait_for(lambda: len(self._pending) >= self._turns
+                                   and not any(r.fed == 0 and r.ids.shape[1] > 1 for r in self._pending),
+                                   timeout=self.gather_s)
             decode = [r for r in self._pending if r.ids.shape[1] == 1][: self.max_batch]
-            prompt = next((r for r in self._pending if r.ids.shape[1] > 1), None)
-            taken = {id(r) for r in decode} | {id(prompt)}
+            prompts = [r for r in self._pending if r.ids.shape[1] > 1]
+            taken = {id(r) for r in decode + prompts}
             self._pending = [r for r in self._pending if id(r) not in taken]
-            end = 0 if prompt is None else min(prompt.ids.shape[1], prompt.fed + self.prefill_piece)
-            return decode, prompt, end
+            return decode, prompts
 
-    def _run(self, decode: list[_Request], prompt: _Request | None, end: int) -> None:
+    def _run(self, decode: list[_Request], prompts: list[_Request]) -> None:
         model = self._model()  # alive: every caller holds it
         with torch.inference_mode():
-            if prompt is not None:
-                self._feed_piece(model, prompt, end)
+            for prompt in prompts:
+                self._feed_piece(model, prompt, min(prompt.ids.shape[1], prompt.fed + self.prefill_piece))
             if len(decode) == 1:
                 _settle(decode, lambda: [forward_one(model, decode[0].cache, decode[0].ids)])
             elif decode:
