@@ -4,8 +4,10 @@ API asks for its key."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
+import psutil
 from openai import OpenAI
 
 from .browser_support import configure, messages, running_app, send
@@ -86,3 +88,44 @@ def test_the_login_page_logs_in_and_the_chat_answers(browser, monkeypatch):
         assert messages(page, "chatbot", "bot")[0].strip()
         assert errors == []
         page.context.close()
+
+
+def _server_memory(port: int) -> tuple[Path, Path]:
+    """The ``status`` and ``clear_refs`` files of the app serving ``port``."""
+    for child in psutil.Process().children(recursive=True):
+        if f"--port {port}" in " ".join(child.cmdline()):
+            return Path(f"/proc/{child.pid}/status"), Path(f"/proc/{child.pid}/clear_refs")
+    raise LookupError(port)
+
+
+def _kb(status: Path, key: str) -> int:
+    return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith(key + ":"))
+
+
+def test_bodies_near_or_over_the_limit_cost_the_server_at_most_three_times_their_size(tmp_path):
+    """Peak memory of the server process (its high-water mark reset before each body)
+    grows by at most 16 MB plus three times the body, whatever the body and route."""
+    config = tmp_path / "config.yaml"
+    config.write_text("server:\n  api_max_request_mb: 4\n")
+    with running_app("--config", str(config)) as url, httpx.Client(base_url=url, timeout=300) as client:
+        assert client.post("v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 2}).status_code == 200
+        status, clear_refs = _server_memory(int(url.rsplit(":", 1)[1].strip("/")))
+        under = 4 * 2**20 - 1000
+        message = b'{"messages": [{"role": "user", "content": "' + b"x" * (under - 60) + b'"}]}'
+        many_values = b'{"messages": [' + b"[]," * ((under - 20) // 3) + b"[]]}"
+        cases = [
+            ("v1/chat/completions", message, 400),  # parsed, then refused: the message is too long
+            ("v1/chat/completions", many_values, 400),  # refused before parsing: too many values
+            ("v1/chat/completions", iter([b"x" * 2**20] * 6), 413),  # chunked, over the limit
+            ("gradio_api/queue/join", iter([b"x" * 2**20] * 6), 413),
+        ]
+        for path, body, expected in cases:
+            clear_refs.write_text("5")  # the peak mark := the memory in use now
+            before = _kb(status, "VmRSS")
+            answer = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert answer.status_code == expected, (path, answer.text[:200])
+            size = len(body) if isinstance(body, bytes) else 6 * 2**20
+            growth = (_kb(status, "VmHWM") - before) * 1024
+            print(f"\n{path}: {size:,} bytes -> {answer.status_code}, server peak grew {growth / 2**20:.1f} MB")
+            assert growth <= 16 * 2**20 + 3 * min(size, 4 * 2**20), (path, growth / 2**20)
