@@ -91,7 +91,7 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve"]
+    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet"]
     parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
