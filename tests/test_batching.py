@@ -6,7 +6,7 @@ import torch
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
 
-from .helpers import GREEDY, assert_consistent, fail_next_update, together
+from .helpers import GREEDY, assert_consistent, fail_next_update, h2o, together
 
 # Four conversations unlike each other in every way a row can differ.
 ROWS = [
@@ -134,7 +134,7 @@ def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
 def test_stopping_one_row_leaves_the_others_as_alone(smollm):
     model, tokenizer = smollm
     scheduler = BatchScheduler(model, gather_s=1.0)
-    sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+    sessions = [ChatSession(model, tokenizer, cache=h2o(model, 24, 24),
                             runner=scheduler) for _ in range(3)]
     long = dict(temperature=0, max_new_tokens=40)
     replies = [None] * 3
@@ -149,7 +149,7 @@ def test_stopping_one_row_leaves_the_others_as_alone(smollm):
         replies[index] = "".join(received)
 
     together(*(lambda i=i: run(i) for i in range(3)))
-    alone = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+    alone = ChatSession(model, tokenizer, cache=h2o(model, 24, 24),
                         runner=TakeTurns(model))
     expected = "".join(alone.send("Count from one to one hundred in words.", **long))
     assert replies[0] == replies[2] == expected
@@ -163,7 +163,7 @@ def test_a_failed_batched_pass_reaches_every_row_and_each_stays_usable(smollm):
     # A long gather: every decode step waits for both sessions, so the step that fails
     # is surely a batch of the two.
     scheduler = BatchScheduler(model, gather_s=2.0)
-    sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+    sessions = [ChatSession(model, tokenizer, cache=h2o(model, 24, 24),
                             runner=scheduler) for _ in range(2)]
     errors = [None, None]
 
@@ -192,9 +192,9 @@ def test_a_long_prefill_does_not_hold_up_the_others(smollm, chunk):
     model, tokenizer = smollm
     scheduler = BatchScheduler(model)
     paste = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(150))
-    reader = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=64, recent=64, sink=4),
+    reader = ChatSession(model, tokenizer, cache=h2o(model, 64, 64),
                          runner=scheduler, prefill_chunk_size=chunk)
-    talker = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=24, recent=24, sink=4),
+    talker = ChatSession(model, tokenizer, cache=h2o(model, 24, 24),
                          runner=scheduler)
     finished = {}
 
@@ -213,7 +213,7 @@ def test_a_long_prefill_does_not_hold_up_the_others(smollm, chunk):
     assert finished["talker reply"] < finished["reader first token"]
     # Read in pieces between the talker's steps, the paste left the cache as one pass
     # per chunk leaves it.
-    alone = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=64, recent=64, sink=4),
+    alone = ChatSession(model, tokenizer, cache=h2o(model, 64, 64),
                         runner=TakeTurns(model), prefill_chunk_size=chunk)
     assert "".join(alone.send(paste + "\nHow many lines?", temperature=0, max_new_tokens=2)) == reader.messages[-1]["content"]
     assert alone.tokens == reader.tokens and kept(alone.cache) == kept(reader.cache)
