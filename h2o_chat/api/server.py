@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from gradio.networking import setup_tunnel
 
 from h2o_chat.config import AppConfig, ServerConfig
-from h2o_chat.ui.app import THEME, launch_options, return_freed_memory
+from h2o_chat.ui.app import launch_options, return_freed_memory
 from h2o_chat.ui.provider import ModelProvider
 
 from .routes import create_api
@@ -23,7 +23,7 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
     """The API (``/v1``, ``/health``, ``/metrics``) with ``demo`` mounted at ``/``, keeping
     the page's login and request-size limit."""
     api = create_api(provider, name, config, released=return_freed_memory)
-    return gr.mount_gradio_app(api, demo.queue(), "/", theme=THEME, show_error=True,
+    return gr.mount_gradio_app(api, demo.queue(), "/", show_error=True,
                                **launch_options(config.server))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from pathlib import Path
 
 import gradio as gr
 from starlette.middleware import Middleware
@@ -23,6 +24,9 @@ from .view_state import server_load
 # System fonts: the default theme fetches Google Fonts, which an offline machine waits for.
 THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
                        font_mono=["ui-monospace", "monospace"])
+# Rules for the page as a whole (Gradio's own components, narrow screens); each custom
+# HTML component keeps its own scoped css_template.
+PAGE_CSS = (Path(__file__).parent / "page.css").read_text()
 _STATUS_POLL_S = 1.0
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 _LOAD_POLL_S = 5.0  # every open tab polls; rarely, so many tabs cost the server little
@@ -34,7 +38,7 @@ INTRO = ("**h2o-chat** · a local chat whose KV cache stays within a fixed budge
 
 
 def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
-    """The app's Blocks; mount them with ``THEME``. ``provider`` may still be loading:
+    """The app's Blocks; mount them with ``launch_options``. ``provider`` may still be loading:
     the page shows its progress and handlers wait for it."""
     with gr.Blocks(title="h2o-chat") as demo:
         gr.Markdown(INTRO)
@@ -98,9 +102,10 @@ def server_line(server: ServerConfig) -> str:
 
 
 def launch_options(server: ServerConfig) -> dict:
-    """``gr.mount_gradio_app`` keyword arguments that enforce the page's limits and login."""
+    """``gr.mount_gradio_app`` keyword arguments: the page's look, limits and login."""
     max_bytes = server.max_request_mb * 2**20
     return dict(
+        theme=THEME, css=PAGE_CSS,
         server_name=server.host, server_port=server.port,
         auth=(server.username, server.password) if server.username is not None else None,
         max_file_size=max_bytes,
