@@ -21,7 +21,7 @@ import torch
 from .engine.build import cache_from_config
 from .engine.cache import CacheStats, H2OCache
 from .loading import eos_token_ids
-from .config import CacheConfig, GenerationConfig, check_field
+from .config import CacheConfig, ConfigError, GenerationConfig, check_field
 from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
                      check_system_prompt)
 from .pin_text import decode, find_span, shorten
@@ -38,12 +38,16 @@ class Sampling:
     min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
-        # The same rules as the config file's generation section, so messages match.
+        # The same rules as the config file's generation section, so messages match; a
+        # caller's values are input from outside, refused as such.
         for name in ("max_new_tokens", "temperature", "top_p", "seed"):
-            setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
+            try:
+                setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
+            except ConfigError as err:
+                raise InputError(str(err), name) from None
         if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise ValueError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
-                             f"to max_new_tokens ({self.max_new_tokens})")
+            raise InputError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
+                             f"to max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
 
 
 def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:

@@ -385,6 +385,13 @@ API_CASES = [
     ("a turn past the characters", _send_with(InputLimits(message_chars=100, conversation_chars=100), "x" * 100),
      "the conversation with this message",
      r"holds 1\d\d characters; the limit is 100 \(server.max_conversation_chars\)"),
+    ("temperature below 0", lambda smollm, files: _chat(smollm)().send("Hi", temperature=-1),
+     "temperature", r"generation.temperature = -1: must be"),
+    ("top_p above 1", lambda smollm, files: _chat(smollm)().send("Hi", top_p=1.5),
+     "top_p", r"generation.top_p = 1.5: must be"),
+    ("min_tokens over max_new_tokens", lambda smollm, files: _chat(smollm)().send(
+        "Hi", max_new_tokens=4, min_new_tokens=5),
+     "min_new_tokens", r"min_new_tokens = 5: must be an integer from 0 to max_new_tokens \(4\)"),
     ("a message over the limit", _send_with(InputLimits(), "x" * 100_001),
      "the message", r"the message is 100,001 characters long; the limit is 100,000"),
     ("a story turn past the characters", lambda smollm, files: StorySession(
