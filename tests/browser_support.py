@@ -86,9 +86,11 @@ def chromium(playwright) -> Iterator:
         browser.close()
 
 
-def open_app(browser, url: str, width: int = 1400, height: int = 1000) -> Page:
+def open_app(browser, url: str, width: int = 1400, height: int = 1000,
+             color_scheme: str = "light") -> Page:
     """A page in a new context (a new Gradio session), once the model is ready."""
-    page = browser.new_context(viewport={"width": width, "height": height}).new_page()
+    page = browser.new_context(viewport={"width": width, "height": height},
+                               color_scheme=color_scheme).new_page()
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
     return page

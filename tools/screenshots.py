@@ -1,5 +1,6 @@
-"""Retake the README's screenshots (assets/chat.png, story.png, compare.png) from the real
-app after a few real turns: ``make screenshots`` or ``python -m tools.screenshots``."""
+"""Retake the screenshots in assets/ from the real app after a few real turns, each view
+three ways: light at 1366 px (``chat.png``), dark (``chat-dark.png``) and a 400 px wide
+phone (``chat-400.png``): ``make screenshots`` or ``python -m tools.screenshots``."""
 
 from __future__ import annotations
 
@@ -47,15 +48,21 @@ def compare(page: Page) -> None:
         send(page, "#compare-input", "#compare-send", message)
 
 
+# name suffix -> window width, height and colour scheme
+LOOKS = {"": (1366, 900, "light"), "-dark": (1366, 900, "dark"), "-400": (400, 860, "light")}
+
+
 def main() -> None:
     ASSETS.mkdir(exist_ok=True)
     with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
         for name, take in [("chat", chat), ("story", story), ("compare", compare)]:
-            page = open_app(browser, url, height=900)
-            take(page)
-            page.screenshot(path=ASSETS / f"{name}.png", full_page=True)
-            page.context.close()
-            print(f"wrote {ASSETS / f'{name}.png'}")
+            for suffix, (width, height, scheme) in LOOKS.items():
+                page = open_app(browser, url, width=width, height=height, color_scheme=scheme)
+                take(page)
+                path = ASSETS / f"{name}{suffix}.png"
+                page.screenshot(path=path, full_page=True)
+                page.context.close()
+                print(f"wrote {path}")
 
 
 if __name__ == "__main__":
