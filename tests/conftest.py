@@ -75,6 +75,22 @@ def browser():
         yield browser
 
 
+@pytest.fixture(scope="session")
+def app_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("app") / "server.log"
+
+
+@pytest.fixture(scope="session")
+def app_url(app_log):
+    """The app on its default settings, started once for every browser test module that
+    asks for no settings of its own (a start costs tens of seconds on a small machine).
+    What it printed is kept in ``app_log``."""
+    from .browser_support import running_app
+
+    with running_app(log_path=app_log) as url:
+        yield url
+
+
 @pytest.fixture
 def page(browser, app_url):
     """A page of the app that the test module's ``app_url`` fixture serves, in a browser

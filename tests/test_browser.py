@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, gauge, messages, open_app, open_tab, running_app, send,
+    DONE_TIMEOUT_MS, configure, gauge, messages, open_app, open_tab, send,
     set_number, start_and_wait,
 )
-
-
-@pytest.fixture(scope="module")
-def app_url():
-    with running_app() as url:
-        yield url
 
 
 # ---- chat --------------------------------------------------------------------------------

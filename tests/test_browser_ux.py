@@ -9,28 +9,16 @@ from io import BytesIO
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, gauge, messages, open_app, open_tab, page_errors, running_app, send,
+    configure, gauge, messages, open_app, open_tab, page_errors, send,
     set_number, show_settings, start_and_wait, toasts,
 )
 
 
 DATA = Path(__file__).parent / "data"
-
-
-@pytest.fixture(scope="module")
-def app_log(tmp_path_factory):
-    return tmp_path_factory.mktemp("app") / "server.log"
-
-
-@pytest.fixture(scope="module")
-def app_url(app_log):
-    with running_app(log_path=app_log) as url:
-        yield url
 
 
 def _expect_toast(page, text: str) -> None:

@@ -16,7 +16,7 @@ from h2o_chat.ui.settings import Settings
 
 from playwright.sync_api import expect
 
-from .browser_support import configure, gauge, open_app, running_app, send, show_settings, start_and_wait
+from .browser_support import configure, gauge, send, show_settings, start_and_wait
 from .helpers import BOOK_EXCERPT, fail_next_update, feed
 
 FACT = "My name is Marisol Quentaro and my locker code is 4817."
@@ -315,37 +315,32 @@ def test_rebuilding_a_chat_carries_its_pins(smollm, recwarn):
     assert "not read yet" in html and 'data-pinned="0"' in html
 
 
-def test_pin_panel_in_the_browser(browser):
+def test_pin_panel_in_the_browser(page):
     """The real app: pin a message as it is sent, pin copied text, a refused pin warns
     and leaves the panel working, unpin."""
-    with running_app() as url:
-        page = open_app(browser, url)
-        try:
-            configure(page, heavy=24, recent=24, max_new_tokens=8)
-            show_settings(page, False)
-            page.check("#chat-pin-message input")
-            send(page, "#chat-input", "#chat-send", FACT)
-            assert not page.is_checked("#chat-pin-message input")  # for one message only
-            assert pin_list(page)["count"] == "2"  # system prompt + the message
+    configure(page, heavy=24, recent=24, max_new_tokens=8)
+    show_settings(page, False)
+    page.check("#chat-pin-message input")
+    send(page, "#chat-input", "#chat-send", FACT)
+    assert not page.is_checked("#chat-pin-message input")  # for one message only
+    assert pin_list(page)["count"] == "2"  # system prompt + the message
 
-            page.fill("#chat-pin-text textarea", "not in the chat")
-            page.click("#chat-pin")
-            expect(page.locator(".toast-body.warning")).to_contain_text("does not occur")
-            assert page.input_value("#chat-pin-text textarea") == "not in the chat"
+    page.fill("#chat-pin-text textarea", "not in the chat")
+    page.click("#chat-pin")
+    expect(page.locator(".toast-body.warning")).to_contain_text("does not occur")
+    assert page.input_value("#chat-pin-text textarea") == "not in the chat"
 
-            page.fill("#chat-pin-text textarea", "Quentaro and my")
-            start_and_wait(page, "#chat-pin")
-            expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "3")
-            assert page.input_value("#chat-pin-text textarea") == ""
-            assert gauge(page, "chat-gauge")["budget"] == str(52 + int(pin_list(page)["pinned"]))
+    page.fill("#chat-pin-text textarea", "Quentaro and my")
+    start_and_wait(page, "#chat-pin")
+    expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "3")
+    assert page.input_value("#chat-pin-text textarea") == ""
+    assert gauge(page, "chat-gauge")["budget"] == str(52 + int(pin_list(page)["pinned"]))
 
-            page.locator("#chat-unpin-choice input").click()
-            page.get_by_role("option", name=re.compile(r"^3: Quentaro and my")).click()
-            start_and_wait(page, "#chat-unpin")
-            expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "2")
-            assert page.locator(".toast-body.error").count() == 0  # no handler failed
-        finally:
-            page.context.close()
+    page.locator("#chat-unpin-choice input").click()
+    page.get_by_role("option", name=re.compile(r"^3: Quentaro and my")).click()
+    start_and_wait(page, "#chat-unpin")
+    expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "2")
+    assert page.locator(".toast-body.error").count() == 0  # no handler failed
 
 
 def pin_list(page) -> dict[str, str]:
