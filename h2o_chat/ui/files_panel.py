@@ -79,7 +79,7 @@ class FilesPanel:
             self.mismatched = gr.State(None)
             gr.Markdown(f"A session file (`*{SUFFIX}`) holds the {kind} and its compressed "
                         "cache: resuming it continues exactly where it was saved. It needs the "
-                        "same model and the same cache settings.")
+                        "same model and cache settings; the page offers to take the file's.")
 
     def _build(self) -> None:
         """The view's own controls, above save and resume."""
