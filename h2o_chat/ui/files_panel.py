@@ -172,7 +172,7 @@ class FilesPanel:
         except Refusal as why:
             return self._refused(f"{message}; {why}") | self._no_adopt()
         return (self._refused(f"{message}. Set the cache settings to the file's, or use the file's settings "
-                              "with the button below")
+                              "with the button below.")
                 | {self.adopt: gr.update(visible=True), self.mismatched: (str(path), mismatch.differences)})
 
     def _no_adopt(self) -> dict:
