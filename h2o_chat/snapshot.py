@@ -62,11 +62,10 @@ class SnapshotError(InputError):
 
 class SettingsMismatch(SnapshotError):
     """A session file saved with other cache settings than the cache it was resumed
-    into: ``saved`` holds the file's settings (as ``H2OCache.settings()`` gives them),
-    ``differences`` every setting that differs."""
+    into; ``differences`` holds every setting that differs."""
 
-    def __init__(self, saved: Mapping[str, Any], differences: list[SettingDifference]) -> None:
-        self.saved, self.differences = dict(saved), differences
+    def __init__(self, differences: list[SettingDifference]) -> None:
+        self.differences = differences
         super().__init__(f"{describe_differences(differences, 'in the file', 'in this cache')}: "
                          "change the cache settings to the file's to resume it")
 
@@ -183,8 +182,9 @@ def load_session(
 ) -> ChatSession | StorySession:
     """Resume a saved session into ``cache``, a fresh cache whose settings (policy,
     budgets, rolling) must equal the file's (else ``SettingsMismatch``, naming each
-    difference); a refused file (SnapshotError) leaves it fresh. ``kind`` ("chat" or "story") refuses the other kind; the last two arguments
-    are the session's own (see ``Session``), and the file must keep within ``limits``."""
+    difference); a refused file (SnapshotError) leaves it fresh. ``kind`` ("chat" or
+    "story") refuses the other kind; the last two arguments are the session's own (see
+    ``Session``), and the file must keep within ``limits``."""
     limits = limits or InputLimits()
     manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
@@ -201,7 +201,7 @@ def load_session(
         raise SnapshotError(f"not a session file: {MANIFEST} lacks the cache settings")
     differences = settings_differences(cache_state["settings"], cache.settings())
     if differences:
-        raise SettingsMismatch(cache_state["settings"], differences)
+        raise SettingsMismatch(differences)
     try:
         tensors = load_tensors(payload)
     except SafetensorError as err:

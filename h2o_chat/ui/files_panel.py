@@ -122,12 +122,14 @@ class FilesPanel:
     def on_adopt(self, values: dict) -> dict:
         """Set the cache controls to the refused file's settings and resume it."""
         if values[self.mismatched] is None:
-            return self._refused("no session file to resume: choose one with Resume session") | self._no_adopt()
+            return (self._refused("no session file to resume: choose one with Resume session")
+                    | self._no_adopt())
         path, differences = values[self.mismatched]
         try:
             cache, controls = self.tab.settings.adopt(values, differences)
             taken = ", ".join(f"{d.name} {getattr(cache, d.name)}" for d in differences)
-            return self._resumed(values, path, cache, f"Resumed with the file's cache settings ({taken})") | controls
+            outcome = f"Resumed with the file's cache settings ({taken})"
+            return self._resumed(values, path, cache, outcome) | controls
         except (Refusal, SnapshotError) as err:
             return self._refused(str(err)) | self._no_adopt()
 
