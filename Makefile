@@ -1,5 +1,7 @@
 # Set-up and entry points of h2o-chat. Everything installs into ./.venv, once: the stamp
 # file .venv/.installed is redone only when requirements.txt or this Makefile change.
+#   make                    list these targets (starts nothing)
+#   make setup              create .venv and install everything
 #   make run [ARGS="..."]   set up, then start the app
 #   make test               set up (and install chromium where missing), then run the
 #                           whole test suite, browser tests included
@@ -12,8 +14,15 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: setup browser run test screenshots clean
-.DEFAULT_GOAL := test
+.PHONY: help setup browser run test screenshots clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make setup              create .venv and install everything (minutes, once)"
+	@echo "make run [ARGS=\"...\"]   set up, then start the app at http://127.0.0.1:7860"
+	@echo "make test               set up, then run the whole test suite (browser tests included)"
+	@echo "make screenshots        retake the README's screenshots (assets/*.png)"
+	@echo "make clean              remove .venv"
 
 setup: $(STAMP)
 

@@ -36,6 +36,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from .engine.cache import H2OCache
+from .engine.state import SettingDifference, describe_differences, settings_differences
 from .config import CacheConfig
 from .inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
 from .inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,
@@ -57,6 +58,16 @@ class SnapshotError(InputError):
 
     def __init__(self, message: str, field: str = "session file") -> None:
         super().__init__(message, field)
+
+
+class SettingsMismatch(SnapshotError):
+    """A session file saved with other cache settings than the cache it was resumed
+    into; ``differences`` holds every setting that differs."""
+
+    def __init__(self, differences: list[SettingDifference]) -> None:
+        self.differences = differences
+        super().__init__(f"{describe_differences(differences, 'in the file', 'in this cache')}: "
+                         "change the cache settings to the file's to resume it")
 
 
 def _checksum(manifest: bytes, payload: bytes) -> str:
@@ -170,9 +181,10 @@ def load_session(
     limits: InputLimits | None = None,
 ) -> ChatSession | StorySession:
     """Resume a saved session into ``cache``, a fresh cache whose settings (policy,
-    budgets, rolling) must equal the file's; a refused file (SnapshotError) leaves it
-    fresh. ``kind`` ("chat" or "story") refuses the other kind; the last two arguments
-    are the session's own (see ``Session``), and the file must keep within ``limits``."""
+    budgets, rolling) must equal the file's (else ``SettingsMismatch``, naming each
+    difference); a refused file (SnapshotError) leaves it fresh. ``kind`` ("chat" or
+    "story") refuses the other kind; the last two arguments are the session's own (see
+    ``Session``), and the file must keep within ``limits``."""
     limits = limits or InputLimits()
     manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
@@ -187,10 +199,9 @@ def load_session(
     cache_state = manifest.get("cache")
     if not isinstance(cache_state, Mapping) or not isinstance(cache_state.get("settings"), Mapping):
         raise SnapshotError(f"not a session file: {MANIFEST} lacks the cache settings")
-    try:
-        cache.check_settings(cache_state["settings"], "the file")
-    except ValueError as err:
-        raise SnapshotError(f"{err}: change the cache settings to the file's to resume it") from None
+    differences = settings_differences(cache_state["settings"], cache.settings())
+    if differences:
+        raise SettingsMismatch(differences)
     try:
         tensors = load_tensors(payload)
     except SafetensorError as err:

@@ -1,6 +1,6 @@
 """End to end: the chat view's Save / load panel in the real app (``app.py`` on the
 embedded model) driven through Debian's chromium: export, save, then resume in another
-browser session, and a refused file."""
+browser session, a refused file, and a file of other cache settings taken with them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from .browser_support import configure, gauge, messages, open_app, running_app, send
+from .browser_support import configure, gauge, messages, open_app, running_app, send, toasts
 
 
 @pytest.fixture(scope="module")
@@ -96,5 +96,41 @@ def test_a_resumed_session_lists_its_pins(browser, app_url, tmp_path):
     expect(resumed).to_have_attribute("data-count", "2")
     assert resumed.inner_text() == listed
     assert "My cat is called Odd." in listed
+    first.context.close()
+    second.context.close()
+
+
+def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(browser, app_url, tmp_path):
+    first = open_app(browser, app_url)
+    configure(first, max_new_tokens=16)
+    send(first, "#chat-input", "#chat-send", "Name three fruits.")
+    open_files(first)
+    download(first, "#chat-save-session", tmp_path / "fruits.h2o-session.zip")
+
+    second = open_app(browser, app_url)
+    configure(second, max_new_tokens=16, heavy=24, recent=8)
+    open_files(second)
+    adopt = second.locator("#chat-adopt-settings")
+    expect(adopt).to_be_hidden()
+    upload(second, "#chat-resume-session", tmp_path / "fruits.h2o-session.zip")
+    status = second.locator("#chat-files-status")
+    listed = ("cache.heavy = 16 in the file, 24 on the page; cache.recent = 16 in the file, 8 on the page")
+    expect(status).to_contain_text(listed, timeout=60_000)
+    assert any(listed in toast for toast in toasts(second))
+    assert messages(second, "chatbot", "bot") == []  # nothing resumed yet
+
+    adopt.click()
+    expect(status).to_contain_text("Resumed with the file's cache settings (heavy 16, recent 16)",
+                                   timeout=60_000)
+    expect(adopt).to_be_hidden()
+    expect(second.locator("#heavy input")).to_have_value("16")
+    expect(second.locator("#recent input")).to_have_value("16")
+    assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
+
+    # The next reply works, and equals the saved session's own: the cache is the file's.
+    send(first, "#chat-input", "#chat-send", "And three colours?")
+    send(second, "#chat-input", "#chat-send", "And three colours?")
+    replies = messages(second, "chatbot", "bot")
+    assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
     first.context.close()
     second.context.close()

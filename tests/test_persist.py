@@ -11,8 +11,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from h2o_chat import ChatSession, StorySession, make_cache
-from h2o_chat.snapshot import (CHECKSUM, MANIFEST, TENSORS, VERSION, SnapshotError, load_session,
-                               model_identity, read_manifest, save_session, write_session_file)
+from h2o_chat.engine.state import SettingDifference, describe_differences, settings_differences
+from h2o_chat.snapshot import (CHECKSUM, MANIFEST, TENSORS, VERSION, SettingsMismatch, SnapshotError,
+                               load_session, model_identity, read_manifest, save_session,
+                               write_session_file)
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
 from .helpers import feed
@@ -214,6 +216,37 @@ def test_other_cache_settings_are_refused_naming_both_values(smollm, chat_file):
             cache=small_cache(model, policy="sink"))
     refused(smollm, chat_file, "cache.rolling = False in the file, True in this cache",
             cache=small_cache(model, rolling=True))
+    with pytest.raises(SettingsMismatch) as refusal:
+        load_session(chat_file, model, smollm[1], small_cache(model, heavy=24, recent=8, rolling=True))
+    assert str(refusal.value).startswith(
+        "cache.heavy = 16 in the file, 24 in this cache; cache.recent = 16 in the file, 8 in this cache; "
+        "cache.rolling = False in the file, True in this cache: change the cache settings")
+    assert [d.name for d in refusal.value.differences] == ["heavy", "recent", "rolling"]
+
+
+def test_settings_differences_lists_every_one_policy_first():
+    h2o = {"policy": "h2o", "heavy": 24, "recent": 16, "sink": 4, "rolling": False}
+    assert settings_differences(h2o, h2o) == []
+    assert settings_differences(h2o, h2o | {"heavy": 16, "sink": 0, "rolling": True}) == [
+        SettingDifference("heavy", 24, 16), SettingDifference("rolling", False, True),
+        SettingDifference("sink", 4, 0)]
+    # Settings only the current policy uses do not matter once the file's policy is taken.
+    sink = {"policy": "sink", "sink": 4, "recent": 8, "rolling": False}
+    assert settings_differences(sink, h2o) == [SettingDifference("policy", "sink", "h2o"),
+                                               SettingDifference("recent", 8, 16)]
+    assert settings_differences(h2o, sink) == [SettingDifference("policy", "h2o", "sink"),
+                                               SettingDifference("heavy", 24, None),
+                                               SettingDifference("recent", 16, 8)]
+    # h2o's settings leave out score_norm at its default, "sum".
+    assert settings_differences(h2o, h2o | {"score_norm": "mean"}) == [
+        SettingDifference("score_norm", "sum", "mean")]
+    assert describe_differences(settings_differences(h2o, sink), "in the file", "on the page") == (
+        "cache.policy = 'h2o' in the file, 'sink' on the page; cache.heavy = 24 in the file, "
+        "not used on the page; cache.recent = 16 in the file, 8 on the page")
+    hostile = {f"x{i}": i for i in range(20)} | {"policy": "h2o" * 30}
+    described = describe_differences(settings_differences(hostile, h2o), "in the file", "here")
+    assert described.endswith("; and 13 more") and len(described) < 600
+    assert settings_differences({"policy": [1]}, h2o)[0] == SettingDifference("policy", [1], "h2o")
 
 
 def test_another_model_is_refused(smollm, chat_file, tiny_model):
@@ -361,7 +394,7 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
 
     with pytest.warns(UserWarning, match="cache.heavy"):
         refused_with(files.on_resume(inputs(settings, chat, state, heavy=32) | {files.resume: path}),
-                     "cache.heavy = 16 in the file, 32 in this cache")
+                     "cache.heavy = 16 in the file, 32 on the page")
     truncated = tmp_path / "truncated.zip"
     truncated.write_bytes(open(path, "rb").read()[:1000])
     with pytest.warns(UserWarning):
@@ -388,6 +421,41 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     with state.running():
         with pytest.raises(Exception, match="still streaming"):
             files.on_save(values)
+
+
+def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):
+    from h2o_chat.ui.chat_tab import ChatState
+    from h2o_chat.ui.refusals import Refusal
+
+    settings, chat, _ = views
+    files = chat.files
+    state = ChatState(files.tab.provider.get(), settings.cache(inputs(settings, chat, None)), "Be brief.")
+    with state.running():
+        "".join(state.session.send("Hi", temperature=0, max_new_tokens=4))
+    path = files.on_save(inputs(settings, chat, state))[files.download]
+
+    page = inputs(settings, chat, None, heavy=32, recent=8, rolling=True)
+    with pytest.warns(UserWarning, match="cache.heavy"):
+        refused = files.on_resume(page | {files.resume: path})
+    assert chat.state not in refused
+    assert ("cache.heavy = 16 in the file, 32 on the page; cache.recent = 16 in the file, 8 on the page; "
+            "cache.rolling = False in the file, True on the page") in refused[files.status]
+    assert refused[files.adopt]["visible"] is True
+
+    adopted = files.on_adopt(page | {files.mismatched: refused[files.mismatched]})
+    new = adopted[chat.state]
+    assert new.session.tokens == state.session.tokens and new.cache.heavy == 16
+    assert_same_cache(new.session.cache, state.session.cache)
+    assert {settings.heavy: 16, settings.recent: 16, settings.rolling: False}.items() <= adopted.items()
+    assert adopted[files.status].startswith("Resumed with the file's cache settings (heavy 16, recent 16, rolling False)")
+    assert adopted[files.adopt]["visible"] is False and adopted[files.mismatched] is None
+    with new.running():
+        assert "".join(new.session.send("Bye", temperature=0, max_new_tokens=4))
+    # A setting without a control is taken only where the config file already has it.
+    settings.check_adoptable([SettingDifference("score_norm", "sum", "mean")])
+    with pytest.raises(Refusal, match="cache.score_norm = 'mean' in the file, 'sum' in the config file: "
+                                      "the page cannot change it"):
+        settings.check_adoptable([SettingDifference("score_norm", "mean", "sum")])
 
 
 def test_story_panel_saves_and_resumes(views):

@@ -8,12 +8,65 @@ per-layer counters. A cache resumed from it continues bit for bit like the origi
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 _COUNTERS = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
 _DTYPES = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool,
            "pinned": torch.bool, "rotated_at": torch.long}
+# Settings a policy's ``describe()`` leaves out at their default value.
+_IMPLIED = {"h2o": {"score_norm": "sum"}}
+# A message lists this many differences at most (a hand-made file may name any number).
+_MOST_LISTED = 8
+
+
+@dataclass(frozen=True)
+class SettingDifference:
+    """One cache setting (``policy``, ``heavy``, ``rolling``, ...) where a saved state's
+    value differs from a cache's; None where that side's policy does not use it."""
+
+    name: str
+    saved: Any
+    ours: Any
+
+
+def settings_differences(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> list[SettingDifference]:
+    """Every setting where ``saved`` differs from ``ours`` (both as ``settings()`` gives
+    them), the policy first. Where the policies differ, only the settings the saved
+    policy uses count: taking the saved policy makes the others irrelevant."""
+    if saved.get("policy") == ours.get("policy"):
+        saved, ours = _in_full(saved), _in_full(ours)
+        names = set(saved) | set(ours)
+    else:
+        names = set(saved)
+    names = ["policy", *sorted(names - {"policy"})]
+    return [SettingDifference(name, saved.get(name), ours.get(name))
+            for name in names if saved.get(name) != ours.get(name)]
+
+
+def describe_differences(differences: Sequence[SettingDifference], saved_where: str, ours_where: str) -> str:
+    """The differences in one line, e.g. ``cache.heavy = 24 in the file, 16 in this
+    cache; cache.rolling = True in the file, False in this cache``."""
+    listed = [f"cache.{d.name} = {_shown(d.saved)} {saved_where}, {_shown(d.ours)} {ours_where}"
+              for d in differences[:_MOST_LISTED]]
+    more = len(differences) - _MOST_LISTED
+    return "; ".join(listed) + (f"; and {more} more" if more > 0 else "")
+
+
+def _in_full(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with the values its policy implies (a known policy's name is a str)."""
+    policy = settings.get("policy")
+    return (_IMPLIED.get(policy, {}) if isinstance(policy, str) else {}) | dict(settings)
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "not used"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 class CacheStateMixin:
@@ -41,12 +94,10 @@ class CacheStateMixin:
         return self.policy.describe() | {"rolling": self.rolling}
 
     def check_settings(self, saved: dict, source: str = "the saved state") -> None:
-        """ValueError naming the first setting where ``saved`` differs from this cache's."""
-        ours = self.settings()
-        for key in ["policy", *sorted((set(ours) | set(saved)) - {"policy"})]:
-            if ours.get(key) != saved.get(key):
-                raise ValueError(f"cache.{key} = {saved.get(key)!r} in {source}, "
-                                 f"{ours.get(key)!r} in this cache")
+        """ValueError naming every setting where ``saved`` differs from this cache's."""
+        differences = settings_differences(saved, self.settings())
+        if differences:
+            raise ValueError(describe_differences(differences, f"in {source}", "in this cache"))
 
     def load_state(self, tensors: dict[str, torch.Tensor], info: dict, device: torch.device | str = "cpu") -> None:
         """Replace everything this cache holds with a ``state()``, onto ``device``.

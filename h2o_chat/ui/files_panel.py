@@ -3,7 +3,9 @@
 Chat: download the conversation (JSON, Markdown), import a conversation (JSON; a fresh
 cache reads it on the next send), save the session with its cache and resume one. Story:
 save and resume. The files are ``h2o_chat.transcript`` and ``h2o_chat.snapshot``'s; a
-refused file shows a warning and an error line, and the view keeps its session.
+refused file shows a warning and an error line, and the view keeps its session. A session
+file refused for its cache settings alone lists every difference and offers to take the
+file's settings into the page's controls and resume it.
 
 The views build a panel inside their layout and call ``wire`` with their components;
 the view's state class comes in as an argument, so this module does not import the
@@ -22,7 +24,9 @@ from typing import Any
 import gradio as gr
 
 from h2o_chat.inputs import InputLimits
-from h2o_chat.snapshot import SUFFIX, SnapshotError, load_session, save_session
+from h2o_chat.config import CacheConfig
+from h2o_chat.engine.state import describe_differences
+from h2o_chat.snapshot import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
 from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
 
 from .refusals import Refusal, warn
@@ -69,9 +73,13 @@ class FilesPanel:
             self.download = gr.File(label="Download", interactive=False,
                                     elem_id=f"{kind}-download")
             self.status = gr.Markdown(elem_id=f"{kind}-files-status")
+            self.adopt = gr.Button("Use the file's settings and resume", visible=False,
+                                   variant="primary", elem_id=f"{kind}-adopt-settings")
+            # The session file last refused for its cache settings: (path, differences).
+            self.mismatched = gr.State(None)
             gr.Markdown(f"A session file (`*{SUFFIX}`) holds the {kind} and its compressed "
                         "cache: resuming it continues exactly where it was saved. It needs the "
-                        "same model and the same cache settings.")
+                        "same model and cache settings; the page offers to take the file's.")
 
     def _build(self) -> None:
         """The view's own controls, above save and resume."""
@@ -84,8 +92,10 @@ class FilesPanel:
         self.view_inputs = {tab.state, tab.map.live, *tab.settings.components, *tab.map.pickers}
         self.view_outputs = [tab.state, tab.gauge, *tab.map.outputs, *tab.pins.outputs,
                              self.status]
-        self.resume.upload(self.on_resume, {self.resume, *self.view_inputs},
-                           self.view_outputs + self._session_outputs())
+        resumed = self.view_outputs + self._session_outputs() + [self.adopt, self.mismatched]
+        self.resume.upload(self.on_resume, {self.resume, *self.view_inputs}, resumed)
+        self.adopt.click(self.on_adopt, {self.mismatched, *self.view_inputs},
+                         resumed + list(tab.settings.cache_controls.values()))
 
     # ---- handlers -------------------------------------------------------------------------
 
@@ -103,20 +113,25 @@ class FilesPanel:
     def on_resume(self, values: dict) -> dict:
         try:
             path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
-            loaded = wait_for_model(self.tab.provider)
-            cache = self.tab.settings.cache(values)
-            session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
-                                   kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
-                                   limits=InputLimits.of(self.tab.server))
+            return self._resumed(values, path, self.tab.settings.cache(values), "Resumed")
+        except SettingsMismatch as mismatch:
+            return self._mismatched(values[self.resume], mismatch)
         except (Refusal, SnapshotError) as err:
-            return self._refused(str(err))
-        state = self._new_state(loaded, cache, session)
-        state.session = session
-        close_state(values[self.tab.state])
-        stats = session.stats()
-        return ({self.tab.state: state,
-                 self.status: f"Resumed: {stats.tokens} tokens, {stats.cache.held} cache slots."}
-                | self._shown(state) | self._views(values, state))
+            return self._refused(str(err)) | self._no_adopt()
+
+    def on_adopt(self, values: dict) -> dict:
+        """Set the cache controls to the refused file's settings and resume it."""
+        if values[self.mismatched] is None:
+            return (self._refused("no session file to resume: choose one with Resume session")
+                    | self._no_adopt())
+        path, differences = values[self.mismatched]
+        try:
+            cache, controls = self.tab.settings.adopt(values, differences)
+            taken = ", ".join(f"{d.name} {getattr(cache, d.name)}" for d in differences)
+            outcome = f"Resumed with the file's cache settings ({taken})"
+            return self._resumed(values, path, cache, outcome) | controls
+        except (Refusal, SnapshotError) as err:
+            return self._refused(str(err)) | self._no_adopt()
 
     # ---- what the views fill in -----------------------------------------------------------
 
@@ -133,6 +148,37 @@ class FilesPanel:
         raise NotImplementedError
 
     # ---- helpers --------------------------------------------------------------------------
+
+    def _resumed(self, values: dict, path: Path, cache: CacheConfig, outcome: str) -> dict:
+        """Resume the session file at ``path`` on a fresh cache of ``cache`` settings, in
+        place of the view's session; SnapshotError or Refusal if it cannot be."""
+        loaded = wait_for_model(self.tab.provider)
+        session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
+                               kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
+                               limits=InputLimits.of(self.tab.server))
+        state = self._new_state(loaded, cache, session)
+        state.session = session
+        close_state(values[self.tab.state])
+        stats = session.stats()
+        return ({self.tab.state: state,
+                 self.status: f"{outcome}: {stats.tokens} tokens, {stats.cache.held} cache slots."}
+                | self._shown(state) | self._views(values, state) | self._no_adopt())
+
+    def _mismatched(self, path: str, mismatch: SettingsMismatch) -> dict:
+        """Refuse a file of other cache settings, naming every difference; offer to
+        adopt them where the page can set them all."""
+        message = ("this session was saved with other cache settings: "
+                   + describe_differences(mismatch.differences, "in the file", "on the page"))
+        try:
+            self.tab.settings.check_adoptable(mismatch.differences)
+        except Refusal as why:
+            return self._refused(f"{message}; {why}") | self._no_adopt()
+        return (self._refused(f"{message}. Set the cache settings to the file's, or use the file's settings "
+                              "with the button below.")
+                | {self.adopt: gr.update(visible=True), self.mismatched: (str(path), mismatch.differences)})
+
+    def _no_adopt(self) -> dict:
+        return {self.adopt: gr.update(visible=False), self.mismatched: None}
 
     def _views(self, values: dict, state: ViewState) -> dict:
         """The view's gauge, map and pin list, as at the end of a turn."""

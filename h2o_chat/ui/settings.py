@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import gradio as gr
@@ -11,6 +11,7 @@ import gradio as gr
 from h2o_chat.config import POLICIES, AppConfig, CacheConfig, ConfigError, validate
 from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.state import SettingDifference
 
 from .refusals import Refusal
 
@@ -71,12 +72,46 @@ class Settings:
     def cache(self, values: dict) -> CacheConfig:
         """The cache settings, checked by the config file's rules; a ``Refusal`` naming
         the setting if one is bad."""
-        cache = dataclasses.replace(
-            self.config.cache, policy=values[self.policy], rolling=bool(values[self.rolling]),
-            **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
-        )
-        return _checked(dataclasses.replace(self.config, cache=cache)).cache
+        return self._cache(values, {})
 
+    @property
+    def cache_controls(self) -> dict[str, gr.components.Component]:
+        """The cache settings the page can change, by their names in ``H2OCache.settings()``."""
+        return {"policy": self.policy, **{name: getattr(self, name) for name in BUDGETS},
+                "rolling": self.rolling}
+
+    def check_adoptable(self, differences: Iterable[SettingDifference]) -> None:
+        """A ``Refusal`` if the page cannot take a saved session's settings: one without
+        a control (the config file sets it, at start) differs from the configured value."""
+        fixed = [d for d in differences if d.name not in self.cache_controls
+                 and getattr(self.config.cache, d.name, None) != d.saved]
+        if fixed:
+            raise Refusal("; ".join(f"cache.{d.name} = {d.saved!r} in the file, "
+                                    f"{getattr(self.config.cache, d.name, None)!r} in the config file"
+                                    for d in fixed)
+                          + ": the page cannot change it; set it in the config file and restart the app")
+
+    def adopt(self, values: dict, differences: Iterable[SettingDifference]) -> tuple[CacheConfig, dict]:
+        """The cache settings with a saved session's values where they differ from the
+        page's, checked like ``cache``, and the updates that show them in the controls.
+        A setting the file's policy does not use keeps the page's value; a ``Refusal``
+        if the page cannot take them (see ``check_adoptable``) or one is bad."""
+        differences = list(differences)
+        self.check_adoptable(differences)
+        taken = {d.name: d.saved for d in differences
+                 if d.name in self.cache_controls and d.saved is not None}
+        try:
+            cache = self._cache(values, taken)
+        except Refusal as refusal:
+            raise Refusal(f"the file's cache settings: {refusal}") from None
+        return cache, {self.cache_controls[name]: value for name, value in taken.items()}
+
+    def _cache(self, values: dict, taken: dict[str, Any]) -> CacheConfig:
+        """The page's cache settings with ``taken`` in place of some, checked."""
+        page = {"policy": values[self.policy], "rolling": bool(values[self.rolling]),
+                **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS}}
+        cache = dataclasses.replace(self.config.cache, **(page | taken))
+        return _checked(dataclasses.replace(self.config, cache=cache)).cache
 
     def follow(self, state: gr.State, outputs: list[gr.components.Component],
                show: Callable[[CacheConfig], dict]) -> None:
