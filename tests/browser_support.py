@@ -86,11 +86,10 @@ def chromium(playwright) -> Iterator:
         browser.close()
 
 
-def open_app(browser, url: str, width: int = 1400, height: int = 1000,
-             color_scheme: str = "light") -> Page:
-    """A page in a new context (a new Gradio session), once the model is ready."""
-    page = browser.new_context(viewport={"width": width, "height": height},
-                               color_scheme=color_scheme).new_page()
+def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context) -> Page:
+    """A page in a new context (a new Gradio session), once the model is ready;
+    ``context``: more options of the context (``has_touch=True``, ``color_scheme="dark"``)."""
+    page = browser.new_context(viewport={"width": width, "height": height}, **context).new_page()
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
     return page

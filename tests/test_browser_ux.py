@@ -250,18 +250,3 @@ def _top_edge_reaches_the_conversation(page, chatbot: str):
         return box.contains(hit) && !hit.closest("button, [data-testid=block-label]");
       });
     }""")
-
-
-def test_the_heat_map_caption_stays_apart_at_400_px(browser, app_url):
-    page = open_app(browser, app_url, width=400, height=800)
-    try:
-        configure(page, max_new_tokens=4)
-        send(page, "#chat-input", "#chat-send", "Hi!")
-        labels = page.locator("#chat-heat-map .heataxis span")
-        boxes = [labels.nth(i).bounding_box() for i in range(labels.count())]
-        assert len(boxes) == 3
-        for left, right in zip(boxes, boxes[1:]):
-            same_line = abs(left["y"] - right["y"]) < left["height"] / 2
-            assert not same_line or right["x"] - (left["x"] + left["width"]) >= 8, (left, right)
-    finally:
-        page.context.close()

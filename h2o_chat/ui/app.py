@@ -18,6 +18,7 @@ from .limits import LoginGate, RequestSizeLimit
 from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
+from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
 from .story_tab import StoryTab
 from .view_state import server_load
 
@@ -81,7 +82,8 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
-        for script in (ESC_STOPS, FOLLOW_NEWEST):
+        fold_when_narrow(demo)
+        for script in (ESC_STOPS, FOLLOW_NEWEST, TAP_SHOWS_TITLE):
             demo.load(None, js=script)
     return demo
 

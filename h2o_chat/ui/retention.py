@@ -126,7 +126,7 @@ def _legend(total: int) -> str:
         '<span class="k1">few</span>'
         '<span class="ev">none (evicted)</span>'
         '<span class="pd">not fed yet</span>'
-        " layer × KV-head pairs; hover a token for its count</div>"
+        " layer × KV-head pairs; hover or tap a token for its count</div>"
     )
 
 

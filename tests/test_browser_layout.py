@@ -1,0 +1,185 @@
+"""The page's layout in the real app and Debian's chromium: at 400 px wide nothing is cut
+off and a short chat is a short page, a tap shows what hovering shows, and at 1366 × 768
+no chat icon covers the conversation and the edit box is wide enough to edit in."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import expect
+
+from .browser_support import (
+    configure, open_app, open_tab, running_app, send, show_settings,
+)
+
+NARROW = {"width": 400, "height": 768}
+WIDE = {"width": 1366, "height": 768}
+# The chat and story views at 400 px with a two-turn chat: 3,184 and 2,304 px tall before
+# their secondary panels folded on narrow screens.
+SHORT_PAGE_PX = 2000
+QUESTIONS = ["Hi! Who are you?", "Name three fruits."]
+
+# Texts a reader cannot see whole: text running out of the box that clips it (or out of
+# the window, or out of its own box, as a button's label wider than the button), and
+# input values wider than their input. Screen-reader-only text is meant to be clipped,
+# and Gradio measures its tab bar in a hidden copy.
+CUT_TEXTS = """() => {
+  const cut = [];
+  const windowWidth = document.documentElement.clientWidth;
+  const where = e => `${e.closest('[id]')?.id}: ${(e.value || e.textContent).trim().slice(0, 40)}`;
+  const clipper = e => {
+    for (let a = e.parentElement; a && a !== document.body; a = a.parentElement)
+      if (getComputedStyle(a).overflowX !== 'visible') return a;
+    return null;
+  };
+  const texts = document.querySelectorAll(
+    'label, span, button, p, li, td, th, input[type=text], input:not([type])');
+  for (const e of texts) {
+    if (!e.checkVisibility() || e.closest('.sr-only, .visually-hidden')) continue;
+    const box = e.getBoundingClientRect();
+    if (!box.width || !box.height) continue;
+    if (e.tagName === 'INPUT') {
+      if (e.scrollWidth > e.clientWidth + 1) cut.push('value cut: ' + where(e));
+      continue;
+    }
+    if (![...e.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
+    const clip = clipper(e)?.getBoundingClientRect();
+    if (box.right > windowWidth + 1 || box.left < -1) cut.push('off the window: ' + where(e));
+    else if (clip && (box.right > clip.right + 1 || box.left < clip.left - 1))
+      cut.push('cut by its box: ' + where(e));
+    else if (getComputedStyle(e).display !== 'inline' && e.scrollWidth > e.clientWidth + 1)
+      cut.push('runs out of its box: ' + where(e));
+  }
+  return cut;
+}"""
+
+# For each user message of a chat, scrolled to the top of the conversation: the chat's
+# icons outside the conversation (Clear, ...) that overlap it.
+ICONS_OVER_TOP_MESSAGES = """(chat) => {
+  let box = chat.querySelector('[role=log]');
+  while (!(box.scrollHeight > box.clientHeight + 4 &&
+           /auto|scroll/.test(getComputedStyle(box).overflowY))) box = box.parentElement;
+  const icons = [...chat.querySelectorAll('button')].filter(
+    b => !box.contains(b) && b.checkVisibility() && b.getBoundingClientRect().width);
+  const covered = [];
+  for (const message of chat.querySelectorAll('[data-testid=user]')) {
+    const bubble = message.closest('.message-row') || message;
+    box.scrollTop += bubble.getBoundingClientRect().top - box.getBoundingClientRect().top;
+    const [m, view] = [bubble.getBoundingClientRect(), box.getBoundingClientRect()];
+    const top = Math.max(m.top, view.top), bottom = Math.min(m.bottom, view.bottom);
+    for (const icon of icons) {
+      const i = icon.getBoundingClientRect();
+      if (i.left < m.right - 1 && i.right > m.left + 1 && i.top < bottom - 1 && i.bottom > top + 1)
+        covered.push(`${icon.getAttribute('aria-label')} over "${message.textContent.trim()}"`);
+    }
+  }
+  return covered;
+}"""
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app() as url:
+        yield url
+
+
+def _page_height(page) -> int:
+    return page.evaluate("() => document.documentElement.scrollHeight")
+
+
+def _nothing_cut(page) -> None:
+    """No text stays cut off (while the page settles, the tab bar measures itself)."""
+    try:
+        page.wait_for_function(f"() => ({CUT_TEXTS})().length === 0", timeout=5_000)
+    except PlaywrightTimeout:
+        pytest.fail(f"cut off: {page.evaluate(CUT_TEXTS)}")
+
+
+def _unfold(page, panel: str) -> None:
+    header = page.locator(f"#{panel} > .label-wrap")
+    if "open" not in header.get_attribute("class").split():
+        header.click()
+    expect(header).to_have_class(re.compile(r"\bopen\b"))
+
+
+def test_at_400_px_nothing_is_cut_and_a_short_chat_is_a_short_page(browser, app_url):
+    page = open_app(browser, app_url, **NARROW)
+    try:
+        configure(page, max_new_tokens=24)
+        _nothing_cut(page)  # the settings
+        show_settings(page, False)
+        for question in QUESTIONS:
+            send(page, "#chat-input", "#chat-send", question)
+        assert _page_height(page) < SHORT_PAGE_PX
+        _nothing_cut(page)
+        for panel in ("chat-pins", "chat-map"):  # folded, still there
+            _unfold(page, panel)
+        _nothing_cut(page)
+        # The heat map's axis: its ends under the image's ends, the caption apart.
+        image = page.locator("#chat-heat-map .heat img").bounding_box()
+        first, caption, last = (page.locator("#chat-heat-map .heataxis span").nth(i).bounding_box()
+                                for i in range(3))
+        assert abs(first["x"] - image["x"]) <= 2
+        assert abs(last["x"] + last["width"] - image["x"] - image["width"]) <= 2
+        assert caption["y"] >= max(first["y"] + first["height"], last["y"] + last["height"]) - 1
+        open_tab(page, "Story")
+        expect(page.locator("#story-text")).to_be_visible()
+        assert _page_height(page) < SHORT_PAGE_PX
+        _nothing_cut(page)
+        open_tab(page, "Compare")
+        expect(page.locator("#compare-input")).to_be_visible()
+        _nothing_cut(page)
+    finally:
+        page.context.close()
+
+
+def test_a_tap_on_a_token_shows_its_count(browser, app_url):
+    page = open_app(browser, app_url, has_touch=True, is_mobile=True, **NARROW)
+    try:
+        configure(page, max_new_tokens=8)
+        show_settings(page, False)
+        send(page, "#chat-input", "#chat-send", QUESTIONS[0])
+        _unfold(page, "chat-map")
+        token = page.locator("#chat-token-map .tokmap span").nth(5)
+        count = token.get_attribute("title")
+        assert re.fullmatch(r"#5: held by \d+/\d+", count), count
+        token.tap()
+        expect(page.get_by_text(count, exact=True)).to_be_visible()
+    finally:
+        page.context.close()
+
+
+def test_no_chat_icon_covers_the_message_at_the_top(browser, app_url):
+    page = open_app(browser, app_url, **WIDE)
+    try:
+        configure(page, max_new_tokens=40)
+        show_settings(page, False)
+        questions = ["Name three fruits and describe each.", "Now three vegetables, described.",
+                     "And three trees."]
+        for question in questions:
+            send(page, "#chat-input", "#chat-send", question)
+        assert page.locator("#chatbot").evaluate(ICONS_OVER_TOP_MESSAGES) == []
+        open_tab(page, "Compare")
+        for question in questions[:2]:
+            send(page, "#compare-input", "#compare-send", question)
+        for chat in ("#compare-bounded-chat", "#compare-full-chat"):
+            assert page.locator(chat).evaluate(ICONS_OVER_TOP_MESSAGES) == [], chat
+    finally:
+        page.context.close()
+
+
+def test_the_edit_box_spans_the_chat(browser, app_url):
+    page = open_app(browser, app_url, **WIDE)
+    try:
+        configure(page, max_new_tokens=8)
+        show_settings(page, False)
+        send(page, "#chat-input", "#chat-send", "Hi!")
+        page.locator("#chatbot button[aria-label=Edit]").click()
+        edit = page.locator("#chatbot textarea.edit-textarea")
+        expect(edit).to_have_value("Hi!")
+        chat = page.locator("#chatbot [role=log]").bounding_box()
+        assert edit.bounding_box()["width"] >= 0.6 * chat["width"]
+    finally:
+        page.context.close()
