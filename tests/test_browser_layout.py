@@ -11,7 +11,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, open_app, open_tab, running_app, send, show_settings,
+    configure, open_app, open_tab, send, show_settings,
 )
 
 NARROW = {"width": 400, "height": 768}
@@ -78,11 +78,6 @@ ICONS_OVER_TOP_MESSAGES = """(chat) => {
   return covered;
 }"""
 
-
-@pytest.fixture(scope="module")
-def app_url():
-    with running_app() as url:
-        yield url
 
 
 def _page_height(page) -> int:
