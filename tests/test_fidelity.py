@@ -102,17 +102,18 @@ def test_compare_view_gauge(smollm):
     last = view.send(PROMPT)[-1]
     probe = view.state.probe
     assert probe is not None and view.state.sides["bounded"].observer == probe.observe
-    assert f'data-points="{len(probe.points)}"' in last[panel.summary]
+    assert f'data-points="{len(probe.points)}"' in last[panel.summary].value
     frame = last[panel.plot].value
     assert len(frame["data"]) == len(probe.points)
     worst = max(probe.points, key=lambda p: p.kl)
-    assert last[panel.step].value == worst.position and f'data-step="{worst.position}"' in last[panel.detail]
+    detail = last[panel.detail].value
+    assert last[panel.step].value == worst.position and f'data-step="{worst.position}"' in detail
     tokens = view.state.sides["bounded"].tokens
     assert worst.forgotten
     for f in worst.forgotten:  # highlighted in the text and listed, with their own text
         piece = html.escape(loaded_piece(smollm, tokens[f.position]))
-        assert f'data-pos="{f.position}"' in last[panel.detail]
-        assert f"<li>#{f.position} <code>{piece}</code>" in last[panel.detail]
+        assert f'data-pos="{f.position}"' in detail
+        assert f"<li>#{f.position} <code>{piece}</code>" in detail
 
     # Selecting a range on the plot shows its largest-KL step.
     first, second = probe.points[-2:]
@@ -129,7 +130,8 @@ def test_compare_view_gauge(smollm):
     view.set(fidelity=False)
     last = view.send("Shorter, please.")[-1]
     assert view.state.probe is None and view.state.sides["bounded"].observer is None
-    assert "gauge off" in last[panel.summary]
+    assert "gauge off" in last[panel.summary].value
+    assert not any(last[part].visible for part in (panel.plot, panel.step, panel.detail))
 
 
 

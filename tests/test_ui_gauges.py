@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.fidelity import first_divergence
-from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, gauge_html
+from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from h2o_chat.ui.streaming import Interleaved, Throttle, stream_turn
 
 
@@ -58,18 +58,27 @@ def test_gauge_states_in_words():
     assert "1.00 MB</b> (0.50 MB in use)" in gauge_html(gauge())
 
 
-def test_turn_series_replaces_the_live_turn():
+def test_an_empty_gauge_draws_an_empty_bar():
+    for budget in (None, 260):  # the full cache's and a bounded one's
+        page = empty_gauge("cache", budget)
+        assert attributes(page)["state"] == "empty"
+        assert '<div class="gbar"><div style="width:0.0%"></div></div>' in page
+
+
+def test_turn_series_replaces_the_live_turn_and_plots_the_bytes_in_use():
     series = TurnSeries()
     a = Gauge("h2o", 10, 10, 10, 0, 40, 2_000_000, 1_000_000, 1.0, 0.0)
     b = Gauge("full", 10, 10, 10, 0, None, 2_000_000, 1_000_000, 1.0, 0.0)
     for turn in (1, 2, 10):
         series.record(turn, [a, b])
-    series.record(2, [a, replace(b, held=20, kv_bytes=4_000_000)])
+    series.record(2, [a, replace(b, held=20, kv_bytes=8_000_000, held_bytes=3_000_000)])
     frame = series.frame()
-    assert list(frame.columns) == ["turn", "cache", "KV MB", "slots held"]
+    assert list(frame.columns) == ["turn", "cache", "KV MB in use", "slots held"]
     assert len(frame) == 6 and series.order() == ["1", "2", "10"]
     last = frame[(frame.turn == "2") & (frame.cache == "full")].iloc[0]
-    assert (last["KV MB"], last["slots held"]) == (4.0, 20)
+    # What the gauge shows as in use, not the allocation (room for incoming tokens too).
+    assert (last["KV MB in use"], last["slots held"]) == (3.0, 20)
+    assert "(3.00 MB in use)" in gauge_html(replace(b, held=20, kv_bytes=8_000_000, held_bytes=3_000_000))
 
 
 def test_first_divergence_and_decode_rate():

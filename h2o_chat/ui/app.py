@@ -13,14 +13,14 @@ from h2o_chat.config import AppConfig, ServerConfig
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
-from .controls import ESC_STOPS
+from .controls import ESC_STOPS, SendStopSwap
 from .limits import LoginGate, RequestSizeLimit
 from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
 from .story_tab import StoryTab
-from .view_state import server_load
+from .view_state import ViewState, server_load
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine waits for.
 THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
@@ -31,6 +31,7 @@ PAGE_CSS = (Path(__file__).parent / "page.css").read_text()
 _STATUS_POLL_S = 1.0
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 _LOAD_POLL_S = 5.0  # every open tab polls; rarely, so many tabs cost the server little
+_BUSY_LOAD_POLL_S = 0.5  # while a view of the tab itself generates
 
 # One line: the views below must leave their input in view on a 768 px high screen.
 INTRO = ("**h2o-chat** · a local chat whose KV cache stays within a fixed budget (H2O: "
@@ -70,10 +71,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         poll.tick(refresh, None, outputs, show_progress="hidden")
         demo.load(refresh, None, outputs, show_progress="hidden")
 
-        load = gr.Markdown(elem_id="server-load")
-        for event in (demo.load, gr.Timer(_LOAD_POLL_S).tick):
-            event(lambda: server_line(config.server), None, load, show_progress="hidden",
-                  concurrency_limit=None)
+        follow_server_load(demo, config.server, [chat.swap, story.swap, compare.swap])
 
         def release(request: gr.Request) -> None:
             """A closed tab frees its views now, not after Gradio's one-hour grace."""
@@ -94,6 +92,33 @@ def return_freed_memory() -> None:
     come and go (measured: tools/measure_sessions_memory.py)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendStopSwap]) -> None:
+    """The server line: polled rarely, for other browsers' turns; often from the moment
+    one of this page's views (given by their ``swaps``) is asked for a turn until the
+    turn ends; and once more then. A turn's own updates cannot carry the line (a view
+    knows nothing of the page around it), and when a turn gets the model depends on its
+    place in the queue, which the page does not see: hence the fast poll. Only the few
+    pages that generate or wait to poll often; an idle page costs the server what it
+    did before."""
+    line = gr.Markdown(elem_id="server-load")
+    busy_poll = gr.Timer(_BUSY_LOAD_POLL_S, active=False)
+    options = dict(show_progress="hidden", concurrency_limit=None)
+    for event in (demo.load, gr.Timer(_LOAD_POLL_S).tick, busy_poll.tick):
+        event(lambda: server_line(server), None, line, **options)
+    states = [swap.state for swap in swaps]
+
+    def after_turn(*views: ViewState | None) -> tuple[str, gr.Timer]:
+        """The line now; the fast poll goes on while another view of the page generates."""
+        running = any(view is not None and view.streaming for view in views)
+        return server_line(server), gr.Timer(active=running)
+
+    for swap in swaps:
+        swap.started.then(lambda: gr.Timer(active=True), None, busy_poll, queue=False,
+                          show_progress="hidden")
+        for turn in swap.turns:
+            turn.then(after_turn, states, [line, busy_poll], **options)
 
 
 def server_line(server: ServerConfig) -> str:

@@ -123,8 +123,8 @@ class ChatTab:
         # not dropped silently.
         sends = [self.text.submit, self.send.click]
         regenerates = [self.regenerate.click, self.chatbot.retry]
-        swap = SendStopSwap(self.send, self.stop, self.state)
-        swap.on([*sends, *regenerates, self.chatbot.edit])
+        self.swap = SendStopSwap(self.send, self.stop, self.state)
+        self.swap.on([*sends, *regenerates, self.chatbot.edit])
         turns = [
             gr.on(sends, refusing(self.on_send, self.chatbot), turn_inputs, outputs,
                   trigger_mode="multiple", **generating(self.server)),
@@ -133,7 +133,7 @@ class ChatTab:
             self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
                               **generating(self.server)),
         ]
-        swap.until(turns)
+        self.swap.until(turns)
         gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
               turn_inputs, outputs)
         gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),

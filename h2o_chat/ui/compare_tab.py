@@ -17,7 +17,9 @@ from h2o_chat.session import ChatSession
 from .chat_tab import shown_messages
 from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
-from .gauges import GAUGE_CSS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
+from .gauges import (
+    GAUGE_CSS, MEMORY, SLOTS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html,
+)
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
@@ -125,11 +127,14 @@ class CompareTab:
                                       elem_id="compare-full-gauge")
         self.divergence = gr.HTML("", elem_id="compare-divergence")
         with gr.Row():
-            self.memory_plot = gr.LinePlot(x="turn", y="KV MB", color="cache", height=240,
-                                           title="KV cache memory after each turn (MB)",
+            # Axes from 0, so the two caches' sizes compare at a glance: fitted to the
+            # data, they made small changes look steep.
+            self.memory_plot = gr.LinePlot(x="turn", y=MEMORY, color="cache", height=240,
+                                           y_lim=[0, None],
+                                           title="KV cache memory in use after each turn (MB)",
                                            elem_id="compare-memory-plot")
-            self.slots_plot = gr.LinePlot(x="turn", y="slots held", color="cache", height=240,
-                                          title="Slots held per layer and head",
+            self.slots_plot = gr.LinePlot(x="turn", y=SLOTS, color="cache", height=240,
+                                          y_lim=[0, None], title="Slots held per layer and head",
                                           elem_id="compare-slots-plot")
         self.fidelity = FidelityPanel("compare", FIDELITY_ON)
         self.map = MapPanel("compare")
@@ -144,13 +149,13 @@ class CompareTab:
 
     def _wire(self) -> None:
         sends = [self.text.submit, self.send.click]
-        swap = SendStopSwap(self.send, self.stop, self.state)
-        swap.on(sends)
+        self.swap = SendStopSwap(self.send, self.stop, self.state)
+        self.swap.on(sends)
         turn = gr.on(sends, refusing(self.on_send, self.full_chat),
                      {self.state, self.text, self.map.live, self.fidelity.enabled,
                       *self.settings.components, *self.map.pickers},
                      self._outputs, trigger_mode="multiple", **generating(self.server))
-        swap.until([turn])
+        self.swap.until([turn])
         # A chat's own Clear icon resets the comparison: both sides, as Reset does.
         gr.on([self.reset.click, self.bounded_chat.clear, self.full_chat.clear],
               refusing(self.on_reset, self.full_chat), {self.state, *self.settings.components},

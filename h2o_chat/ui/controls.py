@@ -32,18 +32,25 @@ def stop_button(prefix: str, state: gr.State) -> gr.Button:
 class SendStopSwap:
     """Shows ``stop`` instead of ``send`` while a turn runs. Call ``on`` before wiring the
     turns (the page runs a trigger's events in the order they were wired, and the swap
-    must come first) and ``until`` with the turns once wired."""
+    must come first) and ``until`` with the turns once wired. For others that follow the
+    view's turns (the server line): ``started``, the swap's own event, which runs at once
+    when a turn is asked for (an event wired after a turn on the same trigger waits for
+    the turn to end), and ``turns``."""
 
     def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State) -> None:
         self.send, self.stop, self.state = send, stop, state
+        self.started: Dependency | None = None
+        self.turns: list[Dependency] = []
 
     def on(self, triggers: list[EventListenerMethod]) -> None:
-        gr.on(triggers, lambda: (gr.Button(visible=False), gr.Button(visible=True)), None,
-              [self.send, self.stop], queue=False, show_progress="hidden")
+        self.started = gr.on(triggers, lambda: (gr.Button(visible=False), gr.Button(visible=True)),
+                             None, [self.send, self.stop], queue=False, show_progress="hidden")
 
     def until(self, events: list[Dependency]) -> None:
         """Back to ``send`` when one of ``events`` ends, unless a turn still runs (a
         refused second turn ends while the first still streams)."""
+        self.turns += events
+
         def after(view: ViewState | None) -> tuple[gr.Button, gr.Button]:
             running = view is not None and view.streaming
             return gr.Button(visible=not running), gr.Button(visible=running)

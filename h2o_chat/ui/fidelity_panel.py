@@ -27,6 +27,21 @@ FIDELITY_CSS = """
 .fidlist { font-size: 12px; margin: 4px 0 0 0; }
 """
 
+# The detail's js_on_load: each step shown opens its conversation scrolled to the first
+# highlighted token (or, with none, the predicted one), a line of context above it. At
+# the top, it showed the system prompt, the marks far below.
+SHOW_FIRST_MARK = """
+const show = () => {
+  const box = element.querySelector(".fidtext");
+  const first = box && box.querySelector("mark, .step");
+  if (!first) return;
+  const above = parseFloat(getComputedStyle(box).lineHeight) || 20;
+  box.scrollTop += first.getBoundingClientRect().top - box.getBoundingClientRect().top - above;
+};
+show();
+new MutationObserver(show).observe(element, {childList: true, subtree: true});
+"""
+
 
 def points_frame(points: Sequence[FidelityPoint]) -> pd.DataFrame:
     """One row per prediction: its position, KL(full || bounded) and top-1 agreement."""
@@ -130,17 +145,19 @@ class FidelityPanel:
             self.enabled = gr.Checkbox(
                 enabled, label="run the shadow (costs one more forward pass per token; "
                 "applies from the next message)", elem_id=f"{prefix}-fidelity-on")
-            self.summary = gr.HTML(css_template=FIDELITY_CSS, elem_id=f"{prefix}-fidelity-summary")
+            # Summary, plot, token box and detail only once they have something to show:
+            # empty, they were blank frames under a gauge that was off.
+            self.summary = gr.HTML(css_template=FIDELITY_CSS, visible=False,
+                                   elem_id=f"{prefix}-fidelity-summary")
             self.plot = gr.ScatterPlot(x="token", y="KL (nats)", color="top-1", height=240,
                                        color_map={AGREE: "#2563eb", DIFFER: "#dc2626"},
                                        title="KL(full ‖ bounded) per predicted token",
-                                       visible=enabled, elem_id=f"{prefix}-fidelity-plot")
-            # Plot and token box only while the shadow runs: off, they were 300 px of
-            # empty frames.
-            self.step = gr.Number(None, precision=0, minimum=0, visible=enabled,
+                                       visible=False, elem_id=f"{prefix}-fidelity-plot")
+            self.step = gr.Number(None, precision=0, minimum=0, visible=False,
                                   label="token shown: type one and press Enter (empty: the "
                                   "largest KL of this reply)", elem_id=f"{prefix}-fidelity-step")
-            self.detail = gr.HTML(css_template=FIDELITY_CSS, elem_id=f"{prefix}-fidelity-detail")
+            self.detail = gr.HTML(css_template=FIDELITY_CSS, js_on_load=SHOW_FIRST_MARK,
+                                  visible=False, elem_id=f"{prefix}-fidelity-detail")
 
     @property
     def outputs(self) -> list:
@@ -160,14 +177,18 @@ class FidelityPanel:
         tokens = list(probe.session.tokens)
         since = len(tokens) - len(probe.session.reply)
         detail = self._detail(state, points, tokens, since)
-        return {self.summary: summary_html(points, since),
-                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points), visible=True),
-                **detail, self.step: gr.Number(detail[self.step], visible=True)}
+        shown = bool(points)
+        return {self.summary: gr.HTML(summary_html(points, since), visible=True),
+                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points), visible=shown),
+                self.step: gr.Number(detail[self.step], visible=shown),
+                self.detail: gr.HTML(detail[self.detail], visible=shown)}
 
     def cleared(self, note: str = "") -> dict:
-        """The panel of a view without the shadow: the note, no plot."""
-        return {self.summary: note, self.plot: gr.ScatterPlot(visible=False),
-                self.step: gr.Number(None, visible=False), self.detail: ""}
+        """The panel of a view without the shadow: the note if any, nothing else."""
+        return {self.summary: gr.HTML(note, visible=bool(note)),
+                self.plot: gr.ScatterPlot(visible=False),
+                self.step: gr.Number(None, visible=False),
+                self.detail: gr.HTML("", visible=False)}
 
     def _detail(self, state, points: list[FidelityPoint], tokens: list[int], since: int) -> dict:
         """The picked step (or this reply's largest KL) and its number in the box."""

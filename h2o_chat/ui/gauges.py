@@ -135,24 +135,30 @@ def gauge_html(g: Gauge) -> str:
     )
 
 
+MEMORY, SLOTS = "KV MB in use", "slots held"  # the series' columns, the plots' y axes
+
+
 @dataclass
 class TurnSeries:
-    """KV memory and slots held per turn of several caches, for the line plots. A turn
-    recorded again replaces its rows. Turns are labels rather than numbers, so the axis
-    never shows a turn 1.5; ``order`` sorts them."""
+    """KV memory in use and slots held per turn of several caches, for the line plots. A
+    turn recorded again replaces its rows. Turns are labels rather than numbers, so the
+    axis never shows a turn 1.5; ``order`` sorts them."""
 
     rows: list[dict] = field(default_factory=list)
 
     def record(self, turn: int, gauges: Sequence[Gauge]) -> None:
         label = str(turn)
         self.rows = [row for row in self.rows if row["turn"] != label]
+        # The bytes in use, not the allocated ones: they are what stays flat once the
+        # bounded cache is at budget (as its gauge says), while the allocation moves with
+        # the room reserved for incoming tokens.
         self.rows += [
-            {"turn": label, "cache": g.label, "KV MB": round(g.kv_mb, 3), "slots held": g.held}
+            {"turn": label, "cache": g.label, MEMORY: round(g.held_bytes / _MB, 3), SLOTS: g.held}
             for g in gauges
         ]
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=["turn", "cache", "KV MB", "slots held"])
+        return pd.DataFrame(self.rows, columns=["turn", "cache", MEMORY, SLOTS])
 
     def order(self) -> list[str]:
         return sorted({row["turn"] for row in self.rows}, key=int)

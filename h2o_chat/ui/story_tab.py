@@ -91,14 +91,14 @@ class StoryTab:
 
     def _wire(self) -> None:
         outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
-        swap = SendStopSwap(self.go, self.stop, self.state)
-        swap.on([self.go.click])
+        self.swap = SendStopSwap(self.go, self.stop, self.state)
+        self.swap.on([self.go.click])
         turn = self.go.click(
             refusing(self.on_continue, self.story),
             {self.state, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
-        swap.until([turn])
+        self.swap.until([turn])
         self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
         self.settings.follow(self.state, [self.gauge],
                              lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
