@@ -9,20 +9,13 @@ import re
 import urllib.request
 from pathlib import Path
 
-import pytest
 from playwright.sync_api import expect
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, gauge, open_app, open_tab, running_app, send,
+    DONE_TIMEOUT_MS, configure, gauge, open_app, open_tab, send,
 )
 
 DATA = Path(__file__).parent / "data"
-
-
-@pytest.fixture(scope="module")
-def app_url():
-    with running_app() as url:
-        yield url
 
 
 def test_the_fidelity_panel_takes_no_room_while_off(page):
