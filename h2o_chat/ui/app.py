@@ -15,7 +15,6 @@ from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS
 from .limits import LoginGate, RequestSizeLimit
-from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
 from .story_tab import StoryTab
@@ -81,8 +80,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
-        for script in (ESC_STOPS, FOLLOW_NEWEST):
-            demo.load(None, js=script)
+        demo.load(None, js=ESC_STOPS)
     return demo
 
 
