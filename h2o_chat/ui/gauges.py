@@ -112,7 +112,7 @@ def _state_line(g: Gauge) -> str:
 # The gauge's terms in plain words, as tooltips of its lines.
 _COUNTS_PLAIN = ("tokens seen: read by the model so far; a slot holds one token in the "
                  "model's memory (in every layer); budget: the most slots kept (sink + "
-                 "heavy + recent), pinned text on top")
+                 "heavy + recent); text you pin comes on top")
 _MEMORY_PLAIN = ("KV cache: the memory holding each kept token's keys and values; prefill: "
                  "the time to read the prompt before the first new token")
 
