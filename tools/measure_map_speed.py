@@ -33,7 +33,7 @@ def render_cost(tokens: int) -> tuple[float, int, int]:
     pieces, kv_heads = TokenPieces(tokenizer), model.config.num_key_value_heads
     runs = 20
     started = time.perf_counter()
-    for _ in range(runs):  # what one throttled update does: stats, pieces, both maps
+    for _ in range(runs):  # what one end-of-turn update does: stats, pieces, both maps
         maps_html(pieces(session.tokens), session.stats().cache, kv_heads, None, None)
     seconds = (time.perf_counter() - started) / runs
     whole, live = (sum(map(len, maps_html(pieces(session.tokens), session.stats().cache,

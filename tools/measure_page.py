@@ -69,7 +69,8 @@ def _streamed_turn(page: Page, result: ViewResult, start: Callable[[], None]) ->
     page.evaluate("() => Object.assign(window.__measure, {on: true, last: null})")
     began = time.monotonic()
     start()
-    page.wait_for_selector(".generating", timeout=10_000)
+    # Attached, not visible: the first output marked may be one the page does not show.
+    page.wait_for_selector(".generating", state="attached", timeout=10_000)
     page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
     result.streaming_s += time.monotonic() - began
     page.evaluate("() => { window.__measure.on = false; }")

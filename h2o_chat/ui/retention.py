@@ -18,12 +18,12 @@ from PIL import Image
 
 from h2o_chat.engine.cache import CacheStats
 
-# Above this many tokens the map shows the newest ones only: the browser re-renders the
-# whole map on every update, and a few thousand spans keep that cheap.
+# Above this many tokens the map shows the newest ones only: the browser rebuilds the
+# whole map at the end of each reply, and a few thousand tokens keep that cheap.
 MAX_MAP_TOKENS = 3000
 # While a reply streams, the map shows only its newest tokens (about what its box shows
-# on a wide screen): Gradio rebuilds the map's DOM on every update, which with thousands
-# of tokens held the page's main thread for most of a second (tools/measure_page.py).
+# on a wide screen): the browser parses and patches the map's whole DOM on every update,
+# which in a 2,000-token chat was 2,000 spans (100 kB) each time (tools/measure_page.py).
 LIVE_MAP_TOKENS = 500
 # Columns of the heat map image; longer conversations are averaged into this many bins.
 MAX_HEAT_COLUMNS = 600
