@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
