@@ -33,8 +33,11 @@ def test_chat_reply_streams_and_the_token_counter_moves(page):
     after = gauge(page, "chat-gauge")
     assert int(after["seen"]) > 21 and int(after["held"]) == int(after["seen"])
     assert after["state"] == "filling" and "budget not reached yet" in page.inner_text("#chat-gauge")
-    # The map shows every token of the conversation.
-    assert page.locator("#chat-token-map .tokmap span").count() == int(after["tokens"])
+    # The map shows every token of the conversation, from the first to the newest.
+    tokmap = page.locator("#chat-token-map .tokmap")
+    assert tokmap.get_attribute("data-tokens") == after["tokens"]
+    assert tokmap.locator("span").first.get_attribute("title").startswith("#0")
+    assert f"{int(after['tokens']) - 1}:" in tokmap.locator("span").last.get_attribute("title")
     assert page.locator("#chat-heat-map img").count() == 1
 
 

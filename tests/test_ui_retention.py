@@ -1,5 +1,6 @@
 """The retention map's data and HTML, checked against the cache's own stats."""
 
+import math
 import re
 
 import numpy as np
@@ -62,26 +63,54 @@ def test_heat_rows_average_heads_and_downsample_keeps_means(bounded):
     assert retention.downsample(rows, max_columns=40) is rows
 
 
-def test_token_map_html_classes_follow_the_counts(bounded):
+_RUN = re.compile(r'<span class="(\w+)" title="#(\d+)(?:–(\d+))?: ([^"]*)">([^<]*)</span>')
+
+
+def _runs(page: str) -> list[tuple[str, int, int, str, str]]:
+    """The token map's spans: class, first and last position, title text, token text."""
+    return [(cls, int(first), int(last or first), title, text)
+            for cls, first, last, title, text in _RUN.findall(page)]
+
+
+def _classes(page: str) -> dict[int, str]:
+    """The class each position is drawn with, runs spread out again."""
+    return {pos: cls for cls, first, last, _, _ in _runs(page) for pos in range(first, last + 1)}
+
+
+def _one_class(count: int, total: int, fed: bool) -> str:
+    """A token's class as the map drew it with one span per token."""
+    if not fed:
+        return "pd"
+    return "ev" if count == 0 else f"k{math.ceil(count * retention.LEVELS / total)}"
+
+
+def test_token_map_runs_draw_each_token_as_one_span_per_token_did(bounded):
     stats = bounded.stats()
     held = retention.hold_matrix(stats, 42, kv_heads=2)
     counts, total = retention.hold_counts(held)
     pieces = [f"<t{i}>" for i in range(42)]
     page = retention.token_map_html(pieces, counts, total, seen=stats.seen)
-    classes = re.findall(r'<span class="(\w+)" title="#(\d+): ', page)
-    assert [int(pos) for _, pos in classes] == list(range(42))
-    for cls, pos in classes:
-        count, pos = int(counts[int(pos)]), int(pos)
-        if pos >= 40:
-            assert cls == "pd"
-        elif count == 0:
-            assert cls == "ev"
-        else:
-            assert cls == f"k{-(-count * retention.LEVELS // total)}"
-    assert "&lt;t5&gt;" in page and "<t5>" not in page  # token text is escaped
-    newest = retention.token_map_html(pieces, counts, total, seen=40, max_tokens=10)
-    assert re.findall(r'title="#(\d+):', newest) == [str(i) for i in range(32, 42)]
-    assert "newest 10 of 42" in newest
+    runs = _runs(page)
+    assert _classes(page) == {pos: _one_class(int(counts[pos]), total, pos < stats.seen)
+                              for pos in range(42)}
+    assert len(runs) < 42  # runs of equal state share a span
+    assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # and each run is maximal
+    assert "".join(text for *_, text in runs) == "".join(f"&lt;t{i}&gt;" for i in range(42))
+    for cls, first, last, title, _ in runs:  # the title gives the run's counts
+        run = counts[first : last + 1]
+        if cls.startswith("k"):
+            low, high = int(run.min()), int(run.max())
+            assert title == f"kept by {low if low == high else f'{low}–{high}'} of {total} pairs"
+    newest = retention.token_map_html(pieces, counts, total, seen=40, max_tokens=10,
+                                      note=" while it streams")
+    assert sorted(_classes(newest)) == list(range(32, 42))
+    assert "newest 10 of 42 tokens while it streams" in newest
+    assert newest.count("<div") == page.count("<div") == 3  # the same blocks either way
+
+
+def test_token_states_round_up_and_mark_unfed_tokens():
+    states = retention.token_states(np.array([0, 1, 5, 6, 60, 0]), total=60, seen=5)
+    assert states.tolist() == [0, 1, 1, 1, retention.LEVELS, retention.LEVELS + 1]
 
 
 def test_heatmap_png_is_one_pixel_per_layer_and_column(bounded):
@@ -95,9 +124,12 @@ def test_heatmap_png_is_one_pixel_per_layer_and_column(bounded):
     assert image.getpixel((0, 0)) == (29, 78, 216, 255)  # pinned: held by all
     evicted = [x for x in range(40) if rows[0, x] == 0]
     assert evicted and all(image.getpixel((x, 0))[3] == 0 for x in evicted)  # see-through
-    page = retention.heatmap_html(rows, selected_layer=2, caption="all heads")
-    assert page.count("data:image/png;base64,") == 1 and 'class="sel"' in page
-    assert "nothing" in retention.heatmap_html(rows[:, :0], None, "")
+    titles = [f"row {i}" for i in range(3)]
+    page = retention.heatmap_html(rows, selected_layer=2, caption="all heads", row_titles=titles)
+    assert page.count("data:image/png;base64,") == 1
+    assert re.findall(r'<li( class="sel")? data-layer="(\d)" title="([^"]*)"', page) == [
+        ("", "0", "row 0"), ("", "1", "row 1"), (' class="sel"', "2", "row 2")]
+    assert "nothing" in retention.heatmap_html(rows[:, :0], None, "", [])
 
 
 def test_maps_html_renders_the_picked_layer_and_head(bounded):
@@ -105,8 +137,40 @@ def test_maps_html_renders_the_picked_layer_and_head(bounded):
     pieces = [f"t{i}" for i in range(41)]
     token_map, heat_map = retention.maps_html(pieces, stats, kv_heads=2, layer=1, head=0)
     kept = set(stats.layers[1].positions[0, 0].tolist())
-    classes = dict((int(pos), cls) for cls, pos in re.findall(r'<span class="(\w+)" title="#(\d+): ', token_map))
+    classes = _classes(token_map)
     assert {pos for pos, cls in classes.items() if cls == "k10"} == kept  # 1 of 1 pair holds it
     assert {pos for pos, cls in classes.items() if cls == "ev"} == set(range(40)) - kept
     assert classes[40] == "pd"
-    assert "KV head 0" in heat_map and "layer 1 marked" in heat_map
+    assert "KV head 0" in heat_map and "layer 1 outlined" in heat_map
+    assert f'title="layer 1, KV head 0: keeps {len(kept)} of 40 positions, {40 - len(kept)} evicted"' in heat_map
+    assert heat_map.count("<li") == 3 and 'data-layer="1" title=' in heat_map
+
+
+def test_layer_rows_count_what_each_layer_keeps(bounded):
+    stats = bounded.stats()
+    held = retention.hold_matrix(stats, 40, kv_heads=2)
+    rows = retention.layer_rows(held, None, stats.seen)
+    assert len(rows) == 3
+    for index, (line, layer) in enumerate(zip(rows, stats.layers)):
+        anywhere = len(set(layer.positions[0].flatten().tolist()))
+        assert line == (f"layer {index}, all 2 KV heads: each keeps "
+                        f"{layer.held} of 40 positions ({40 - layer.held} evicted); "
+                        f"{anywhere} kept by at least one head")
+
+
+def test_blocks_note_names_only_the_blocks_the_settings_have():
+    h2o = {"policy": "h2o", "heavy": 6, "recent": 6, "sink": 4}
+    both = retention.blocks_note(h2o, pinned=3, evicted=True)
+    assert "left: the first 4 tokens" in both and "3 pinned tokens" in both
+    assert "right: the recent window, the newest 6 tokens" in both and "heavy hitters" in both
+    assert "pinned" not in retention.blocks_note(h2o, pinned=0, evicted=True)
+    window = retention.blocks_note({"policy": "recent", "recent": 8}, pinned=0, evicted=True)
+    assert "left" not in window and "newest 8 tokens" in window and "heavy" not in window
+    assert retention.blocks_note(h2o, pinned=3, evicted=False).startswith("Nothing evicted yet")
+
+
+def test_maps_html_says_nothing_is_evicted_before_the_budget_fills(tiny_model):
+    cache = make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=4)
+    feed(tiny_model, cache, torch.randint(0, 128, (1, 10)), 5)
+    _, heat_map = retention.maps_html([f"t{i}" for i in range(10)], cache.stats(), 2, None, None)
+    assert "Nothing evicted yet" in heat_map and "Solid block" not in heat_map

@@ -19,11 +19,12 @@ from tests.browser_support import chromium, configure, gauge, open_app, running_
 PROMPT = "Write a long story about a dragon who guards a library."
 
 
-def render_cost(tokens: int) -> float:
+def render_cost(tokens: int) -> tuple[float, int, int]:
     """Seconds per map render (token map + heat map, all layers and heads) for a
-    conversation of about ``tokens`` on the default cache budget."""
+    conversation of about ``tokens`` on the default cache budget, and the characters of
+    HTML it sends: the whole map, and the live map's newest tokens only."""
     from h2o_chat import ChatSession, load_model, make_cache
-    from h2o_chat.ui.retention import TokenPieces, maps_html
+    from h2o_chat.ui.retention import LIVE_MAP_TOKENS, TokenPieces, maps_html
 
     model, tokenizer = load_model()
     session = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=128, recent=128, sink=4))
@@ -32,9 +33,13 @@ def render_cost(tokens: int) -> float:
     pieces, kv_heads = TokenPieces(tokenizer), model.config.num_key_value_heads
     runs = 20
     started = time.perf_counter()
-    for _ in range(runs):  # what one throttled update does: stats, pieces, both maps
+    for _ in range(runs):  # what one end-of-turn update does: stats, pieces, both maps
         maps_html(pieces(session.tokens), session.stats().cache, kv_heads, None, None)
-    return (time.perf_counter() - started) / runs
+    seconds = (time.perf_counter() - started) / runs
+    whole, live = (sum(map(len, maps_html(pieces(session.tokens), session.stats().cache,
+                                          kv_heads, None, None, max_tokens)))
+                   for max_tokens in (len(session.tokens), LIVE_MAP_TOKENS))
+    return seconds, whole, live
 
 
 def main() -> None:
@@ -60,7 +65,9 @@ def main() -> None:
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     print(f"slowdown with the live map (medians): {100 * (1 - on / off):.1f}%")
     for n in (300, 3000):
-        print(f"one map update at ~{n} tokens: {1000 * render_cost(n):.1f} ms")
+        seconds, whole, live = render_cost(n)
+        print(f"one map update at ~{n} tokens: {1000 * seconds:.1f} ms, {whole / 1000:.0f} kB "
+              f"of HTML (live, newest tokens only: {live / 1000:.0f} kB)")
 
 
 if __name__ == "__main__":

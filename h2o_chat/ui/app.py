@@ -15,7 +15,6 @@ from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap
 from .limits import LoginGate, RequestSizeLimit
-from .map_panel import FOLLOW_NEWEST
 from .provider import ModelProvider
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
@@ -81,7 +80,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
 
         demo.unload(release)
         fold_when_narrow(demo)
-        for script in (ESC_STOPS, FOLLOW_NEWEST, TAP_SHOWS_TITLE):
+        for script in (ESC_STOPS, TAP_SHOWS_TITLE):
             demo.load(None, js=script)
     return demo
 

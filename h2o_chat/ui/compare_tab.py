@@ -237,10 +237,7 @@ class CompareTab:
         elif final:
             update |= self.fidelity.cleared("fidelity gauge off: tick it to run the shadow from "
                                             "the next message")
-        if final or values[self.map.live]:
-            snap = snapshots[BOUNDED]
-            update |= self.map.render(state.loaded, snap.tokens, snap.stats.cache, values)
-        return update
+        return update | self.map.streamed(state, snapshots[BOUNDED], values, final)
 
     def _divergence(self, state: CompareState, turn: int) -> str:
         """Where this turn's replies first differ, under the lines of earlier turns."""

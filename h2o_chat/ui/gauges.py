@@ -109,6 +109,14 @@ def _state_line(g: Gauge) -> str:
             "memory stays flat from here on")
 
 
+# The gauge's terms in plain words, as tooltips of its lines.
+_COUNTS_PLAIN = ("tokens seen: read by the model so far; a slot holds one token in the "
+                 "model's memory (in every layer); budget: the most slots kept (sink + "
+                 "heavy + recent); text you pin comes on top")
+_MEMORY_PLAIN = ("KV cache: the memory holding each kept token's keys and values; prefill: "
+                 "the time to read the prompt before the first new token")
+
+
 def gauge_html(g: Gauge) -> str:
     """The token counter (seen vs held vs budget), its state in words, memory and speed.
     The numbers are also ``data-*`` attributes, for tests and scripts."""
@@ -125,11 +133,13 @@ def gauge_html(g: Gauge) -> str:
         f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
-        f"<div><b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
+        f'<div title="{_COUNTS_PLAIN}">'
+        f"<b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
         f"{f' + <b>{g.pinned}</b> pinned' if g.pinned and g.budget is not None else ''}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
-        f'<div class="gnums">KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · '
+        f'<div class="gnums" title="{_MEMORY_PLAIN}">'
+        f"KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · "
         f"<b>{g.tokens_per_s:.1f}</b> tokens/s decoding · prefill {g.prefill_seconds:.2f} s</div>"
         "</div>"
     )

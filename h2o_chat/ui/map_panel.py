@@ -11,27 +11,40 @@ from h2o_chat.engine.cache import CacheStats
 from . import retention
 from .gauges import Gauge, gauge_html
 from .provider import LoadedModel
-from .view_state import ViewState, unchanged
+from .view_state import Snapshot, ViewState, unchanged
 
 ALL = -1  # picker value for "every layer" / "every KV head"
 
-# Runs once in the page: a token map, re-rendered with each update, shows its newest
-# tokens (its end) unless the user scrolled up in it to read.
-FOLLOW_NEWEST = """() => {
-  const following = {};
-  const view = map => map.closest("[id]").id;
-  document.addEventListener("scroll", (event) => {
-    const map = event.target;
-    if (!(map instanceof Element) || !map.classList.contains("tokmap")) return;
-    following[view(map)] = map.scrollTop + map.clientHeight >= map.scrollHeight - 24;
-  }, true);
-  new MutationObserver((records) => {
-    if (!records.some(r => r.target instanceof Element && r.target.closest("[id$=token-map]"))) return;
-    for (const map of document.querySelectorAll(".tokmap")) {
-      if (following[view(map)] !== false) map.scrollTop = map.scrollHeight;
-    }
-  }).observe(document.body, {childList: true, subtree: true});
-}"""
+# The token map's own script (Gradio's js_on_load): after each update the box shows its
+# newest tokens (its end), unless the user scrolled up in it to read; scrolling back to
+# the end follows again, and so does a cleared map (new chat). ``watch`` runs after
+# Gradio has patched the map in place; a ResizeObserver catches the box being shown
+# again (its tab or accordion reopened), which loses the scroll position.
+FOLLOW_NEWEST = """
+let reading = false, ours = null;
+const follow = () => {
+  const map = element.querySelector(".tokmap");
+  if (!map) { reading = false; return; }
+  if (reading) return;
+  map.scrollTop = map.scrollHeight;
+  ours = map.scrollTop;
+};
+element.addEventListener("scroll", (event) => {
+  const map = event.target;
+  if (!(map instanceof Element) || !map.classList.contains("tokmap")) return;
+  if (ours !== null && Math.abs(map.scrollTop - ours) < 2) return;  // our own scroll
+  reading = map.scrollTop + map.clientHeight < map.scrollHeight - 24;
+}, true);
+watch("value", follow);
+new ResizeObserver(follow).observe(element);
+"""
+# What the map means, in plain words, above it.
+INTRO = (
+    "Which tokens the model can still look back at. Each of its layers has a few **KV "
+    "heads** (the memory its attention reads), and once the cache is full each layer × "
+    "KV-head pair keeps its own choice of tokens: darker = kept by more of them, struck "
+    "through = forgotten by all. Below, the same per layer."
+)
 
 
 class MapPanel:
@@ -39,18 +52,17 @@ class MapPanel:
 
     def __init__(self, prefix: str) -> None:
         with gr.Accordion("Retained-token map", open=True, elem_id=f"{prefix}-map"):
-            gr.Markdown(
-                "Each token of the conversation, coloured by how many layer × KV-head pairs "
-                "of the cache still hold it; below, which layers hold which positions."
-            )
+            gr.Markdown(INTRO)
             with gr.Row():
                 self.layer = gr.Dropdown([("all layers", ALL)], value=ALL, label="layer",
                                          elem_id=f"{prefix}-map-layer")
                 self.head = gr.Dropdown([("average of KV heads", ALL)], value=ALL,
                                         label="KV head", elem_id=f"{prefix}-map-head")
                 self.live = gr.Checkbox(True, label="update live while tokens stream",
-                                        elem_id=f"{prefix}-map-live")
-            self.tokens = gr.HTML(css_template=retention.TOKEN_MAP_CSS,
+                                        elem_id=f"{prefix}-map-live",
+                                        info="about once a second, newest tokens only; "
+                                             "the whole map at the end of each reply")
+            self.tokens = gr.HTML(css_template=retention.TOKEN_MAP_CSS, js_on_load=FOLLOW_NEWEST,
                                   elem_id=f"{prefix}-token-map")
             self.heat = gr.HTML(css_template=retention.TOKEN_MAP_CSS,
                                 elem_id=f"{prefix}-heat-map")
@@ -86,13 +98,26 @@ class MapPanel:
         }
 
     def render(self, loaded: LoadedModel, tokens: Sequence[int], stats: CacheStats,
-               values: dict) -> dict:
+               values: dict, streaming: bool = False) -> dict:
         """Both maps of a session's ``tokens`` and cache ``stats``, for the picked layer
-        and head (``values`` holds the pickers' values)."""
+        and head (``values`` holds the pickers' values); ``streaming``: only the newest
+        tokens, which is all the box shows while it follows them."""
+        limit, note = ((retention.LIVE_MAP_TOKENS, " while the reply streams; all at its end")
+                       if streaming else (retention.MAX_MAP_TOKENS, ""))
         token_map, heat_map = retention.maps_html(
             loaded.pieces(tokens), stats, loaded.kv_heads,
-            _picked(values[self.layer]), _picked(values[self.head]))
+            _picked(values[self.layer]), _picked(values[self.head]), limit, note)
         return {self.tokens: token_map, self.heat: heat_map}
+
+    def streamed(self, state: ViewState, snapshot: Snapshot, values: dict, final: bool) -> dict:
+        """The maps' part of an update of a streamed turn: the whole map at its end; before
+        that, if the map is live, its newest tokens at most once per ``MAP_INTERVAL_S``."""
+        if final:
+            return self.render(state.loaded, snapshot.tokens, snapshot.stats.cache, values)
+        if values[self.live] and state.map_pace.due():
+            return self.render(state.loaded, snapshot.tokens, snapshot.stats.cache, values,
+                               streaming=True)
+        return {}
 
 
 def _picked(value: int | None) -> int | None:
@@ -101,10 +126,8 @@ def _picked(value: int | None) -> int | None:
 
 def gauge_and_map(gauge: gr.HTML, label: str, panel: MapPanel, state: ViewState,
                   values: dict, final: bool) -> dict:
-    """The updates of a one-session view from one snapshot: its gauge, and its map when
-    the map is live or the turn is over."""
+    """The updates of a one-session view from one snapshot: its gauge, and its map
+    (``MapPanel.streamed``)."""
     snapshot = state.take()
-    update = {gauge: gauge_html(Gauge.of(label, snapshot.stats))}
-    if final or values[panel.live]:
-        update |= panel.render(state.loaded, snapshot.tokens, snapshot.stats.cache, values)
-    return update
+    return {gauge: gauge_html(Gauge.of(label, snapshot.stats))} | panel.streamed(
+        state, snapshot, values, final)

@@ -18,9 +18,13 @@ from PIL import Image
 
 from h2o_chat.engine.cache import CacheStats
 
-# Above this many tokens the map shows the newest ones only: the browser re-renders the
-# whole map on every update, and a few thousand spans keep that cheap.
+# Above this many tokens the map shows the newest ones only: the browser rebuilds the
+# whole map at the end of each reply, and a few thousand tokens keep that cheap.
 MAX_MAP_TOKENS = 3000
+# While a reply streams, the map shows only its newest tokens (about what its box shows
+# on a wide screen): the browser parses and patches the map's whole DOM on every update,
+# which in a 2,000-token chat was 2,000 spans (100 kB) each time (tools/measure_page.py).
+LIVE_MAP_TOKENS = 500
 # Columns of the heat map image; longer conversations are averaged into this many bins.
 MAX_HEAT_COLUMNS = 600
 LEVELS = 10  # colour steps of the hold fraction
@@ -43,22 +47,37 @@ def _css_rgb(fraction: float) -> str:
 # borders are the theme's variables, so the map follows light and dark mode.
 TOKEN_MAP_CSS = "\n".join(
     [
+        # No scroll anchoring: the page script keeps the box at its end, and the browser's
+        # own adjustments would read as the user scrolling.
         ".tokmap { font-family: ui-monospace, monospace; font-size: 12px; line-height: 1.8;"
         " white-space: pre-wrap; word-break: break-word; max-height: 320px; overflow-y: auto;"
-        " border: 1px solid var(--border-color-primary); padding: 6px; border-radius: 6px; }",
+        " overflow-anchor: none; border: 1px solid var(--border-color-primary); padding: 6px;"
+        " border-radius: 6px; }",
         ".tokmap span, .maplegend span { border-radius: 3px; }",
-        ".maplegend { font-size: 12px; margin: 4px 0; }",
+        ".maplegend, .mapnote { font-size: 12px; margin: 4px 0; }",
+        ".mapnote:empty { display: none; }",
         ".maplegend span { padding: 0 5px; margin-right: 4px; }",
         ".ev { color: var(--body-text-color-subdued); text-decoration: line-through; }",
         ".pd { outline: 1px dashed var(--body-text-color-subdued); }",
-        ".heat { position: relative; margin: 8px 0 0 8px; }",
-        ".heat img { width: 100%; height: 180px; image-rendering: pixelated; display: block;"
+        # The heat map: layer labels in the left margin, one hover row per layer over the
+        # image, the selected layer outlined.
+        ".heat { position: relative; margin: 8px 0 0 2.6em; }",
+        ".heat img { width: 100%; height: 240px; image-rendering: pixelated; display: block;"
         " border: 1px solid var(--border-color-primary); }",
-        ".heat .sel { position: absolute; left: -8px; width: 5px; background: #dc2626; }",
+        ".hrows { position: absolute; inset: 0; margin: 0; padding: 0; list-style: none;"
+        " display: grid; grid-template-rows: repeat(var(--layers), 1fr); }",
+        ".hrows li { position: relative; min-height: 0; }",
+        ".hrows li:hover { outline: 1px solid var(--body-text-color); }",
+        ".hrows li.sel { outline: 2px solid #dc2626; }",
+        ".hrows b { position: absolute; right: 100%; top: 50%; transform: translateY(-50%);"
+        " padding-right: 4px; font: 10px/1 ui-monospace, monospace; font-weight: normal;"
+        " color: var(--body-text-color-subdued); white-space: nowrap; }",
+        ".hev { outline: 1px dashed var(--body-text-color-subdued); }",
         # Wraps on a narrow screen instead of running its three labels together.
         ".heataxis { display: flex; flex-wrap: wrap; justify-content: space-between;"
         " column-gap: 12px; font-size: 11px; color: var(--body-text-color-subdued);"
-        " margin-left: 8px; }",
+        " margin-left: 2.6em; }",
+        ".heatnote { font-size: 12px; margin: 6px 0 0 2.6em; color: var(--body-text-color); }",
     ]
     + [
         f".k{k} {{ background: {_css_rgb(k / LEVELS)};"
@@ -120,36 +139,68 @@ def downsample(rows: np.ndarray, max_columns: int = MAX_HEAT_COLUMNS) -> np.ndar
 
 def _legend(total: int) -> str:
     return (
-        '<div class="maplegend">held by '
+        '<div class="maplegend">kept by '
         f'<span class="k{LEVELS}">all {total}</span>'
         f'<span class="k{LEVELS // 2}">some</span>'
         '<span class="k1">few</span>'
         '<span class="ev">none (evicted)</span>'
         '<span class="pd">not fed yet</span>'
-        " layer × KV-head pairs; hover or tap a token for its count</div>"
+        " of the layer × KV-head pairs; hover or tap a stretch of tokens for its counts</div>"
     )
+
+
+_UNFED = LEVELS + 1  # state code of tokens not fed yet; 0 is evicted, 1..LEVELS the levels
+
+
+def token_states(counts: np.ndarray, total: int, seen: int) -> np.ndarray:
+    """Per position the colour state of ``counts / total``: 0 evicted everywhere,
+    1..LEVELS how many pairs hold it (rounded up), ``LEVELS + 1`` not fed yet."""
+    states = -((-counts * LEVELS) // total)  # ceil without floats
+    states[seen:] = _UNFED
+    return states
+
+
+def _state_class(state: int) -> str:
+    return {0: "ev", _UNFED: "pd"}.get(state, f"k{state}")
+
+
+def _run_title(first: int, last: int, low: int, high: int, total: int, state: int) -> str:
+    where = f"#{first}" if first == last else f"#{first}–{last}"
+    if state == _UNFED:
+        return f"{where}: not fed yet"
+    if state == 0:
+        return f"{where}: evicted by every pair"
+    held = f"{low}" if low == high else f"{low}–{high}"
+    return f"{where}: kept by {held} of {total} pairs"
 
 
 def token_map_html(
     pieces: Sequence[str], counts: np.ndarray, total: int, seen: int,
-    max_tokens: int = MAX_MAP_TOKENS,
+    max_tokens: int = MAX_MAP_TOKENS, note: str = "",
 ) -> str:
     """The tokens (``pieces``, one string each) coloured by ``counts / total``: evicted
-    ones greyed and struck through, those at or after ``seen`` (not fed yet) outlined."""
+    ones greyed and struck through, those at or after ``seen`` (not fed yet) outlined.
+    One span per run of tokens in the same state (far fewer nodes for the browser to
+    rebuild), titled with its positions and counts. Shows the newest ``max_tokens``,
+    saying so with ``note`` appended."""
     n = len(pieces)
     start = max(0, n - max_tokens)
-    parts = [_legend(total)]
-    if start:
-        parts.append(f'<div class="maplegend">showing the newest {max_tokens} of {n} tokens</div>')
-    parts.append(f'<div class="tokmap" data-tokens="{n}">')
-    for pos, count in enumerate(counts[start:n].tolist(), start):
-        if pos >= seen:
-            cls, note = "pd", "not fed yet"
-        elif count == 0:
-            cls, note = "ev", "evicted"
-        else:
-            cls, note = f"k{math.ceil(count * LEVELS / total)}", f"held by {count}/{total}"
-        parts.append(f'<span class="{cls}" title="#{pos}: {note}">{html.escape(pieces[pos])}</span>')
+    shown = f"showing the newest {n - start} of {n} tokens{note}" if start else ""
+    # The same three blocks every time: Gradio updates the map in place, node by node, so
+    # the token box stays the same element (and keeps its scroll position).
+    parts = [_legend(total), f'<div class="mapnote">{shown}</div>',
+             f'<div class="tokmap" data-tokens="{n}">']
+    window = np.asarray(counts[start:n])
+    if n > start:
+        states = token_states(window, total, max(0, seen - start))
+        starts = np.flatnonzero(np.diff(states, prepend=-1))
+        lows, highs = np.minimum.reduceat(window, starts), np.maximum.reduceat(window, starts)
+        ends = [*starts[1:].tolist(), n - start]
+        for first, end, low, high in zip(starts.tolist(), ends, lows.tolist(), highs.tolist()):
+            state = int(states[first])
+            title = _run_title(start + first, start + end - 1, low, high, total, state)
+            text = html.escape("".join(pieces[start + first : start + end]))
+            parts.append(f'<span class="{_state_class(state)}" title="{title}">{text}</span>')
     parts.append("</div>")
     return "".join(parts)
 
@@ -167,35 +218,102 @@ def heatmap_png(rows: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def heatmap_html(rows: np.ndarray, selected_layer: int | None, caption: str) -> str:
-    """Layer × position heat map of ``heat_rows`` (layer 0 on top), downsampled to fit,
-    with a marker at ``selected_layer``."""
+def layer_rows(held: np.ndarray, head: int | None, seen: int) -> list[str]:
+    """One line per layer of ``hold_matrix`` for ``head`` (None: all KV heads): how many
+    of the ``seen`` positions it keeps and how many it evicted, for the heat map's rows."""
+    view = select(held, head=head)
+    lines = []
+    for layer, kept in enumerate(view):
+        per_head = kept.sum(axis=1)
+        low, high = int(per_head.min()), int(per_head.max())
+        count = str(low) if low == high else f"{low}–{high}"
+        if head is not None:
+            lines.append(f"layer {layer}, KV head {head}: keeps {count} of {seen} positions, "
+                         f"{seen - high} evicted")
+        else:
+            anywhere = int(kept.any(axis=0).sum())
+            lines.append(f"layer {layer}, all {len(per_head)} KV heads: each keeps {count} of "
+                         f"{seen} positions ({seen - high} evicted); {anywhere} kept by at "
+                         "least one head")
+    return lines
+
+
+def _heat_legend(head: int | None) -> str:
+    kept = ('<span class="k10">kept by every KV head</span><span class="k3">by few</span>'
+            if head is None else '<span class="k10">kept</span>')
+    return (f'<div class="maplegend">Colour: {kept}<span class="hev">evicted (blank)</span>'
+            "· one row per layer, positions left (oldest) to right (newest); hover a row "
+            "for its counts</div>")
+
+
+def blocks_note(policy: dict[str, int | str], pinned: int, evicted: bool) -> str:
+    """What the solid blocks of the heat map are, for a cache with ``policy`` (its
+    ``describe()``) and ``pinned`` tokens; ``evicted``: whether anything is evicted yet
+    (before that every row is solid end to end)."""
+    if not evicted:
+        return ("Nothing evicted yet: every layer still keeps every token, so each row is "
+                "solid end to end.")
+    sink, recent, heavy = (int(policy.get(name, 0)) for name in ("sink", "recent", "heavy"))
+    left = []
+    if sink:
+        left.append(f"the first {sink} tokens (the “sink”: attention leans on them, so they "
+                    "are always kept)")
+    if pinned:
+        left.append(f"{pinned} pinned tokens (system prompt, story bible or pinned messages; "
+                    "a pin further on shows as a solid stripe)")
+    lines = []
+    if left:
+        lines.append("Solid block on the left: " + " and ".join(left) + ".")
+    if recent:
+        lines.append(f"Solid block on the right: the recent window, the newest {recent} "
+                     "tokens, always kept.")
+    if heavy:
+        lines.append("In between: the “heavy hitters”, tokens each layer and KV head keeps "
+                     "because they drew the most attention; blank cells are evicted.")
+    return " ".join(lines)
+
+
+def heatmap_html(rows: np.ndarray, selected_layer: int | None, caption: str,
+                 row_titles: Sequence[str], legend: str = "", note: str = "") -> str:
+    """Layer × position heat map of ``heat_rows`` (layer 0 on top), downsampled to fit:
+    a labelled row per layer titled with ``row_titles``, ``selected_layer`` outlined,
+    ``legend`` above and ``note`` below."""
     layers, n = rows.shape
     if n == 0:
         return '<div class="heataxis">nothing in the cache yet</div>'
     png = base64.b64encode(heatmap_png(downsample(rows))).decode("ascii")
-    marker = ""
-    if selected_layer is not None:
-        marker = (f'<div class="sel" style="top:{100 * selected_layer / layers:.3f}%;'
-                  f'height:{100 / layers:.3f}%"></div>')
+    ticks = set(range(0, layers, 5)) | {layers - 1}  # every label would overlap at 30 layers
+    labels = []
+    for layer, title in enumerate(row_titles):
+        selected = ' class="sel"' if layer == selected_layer else ""
+        label = f"<b>{layer}</b>" if layer in ticks else ""
+        labels.append(f'<li{selected} data-layer="{layer}" title="{html.escape(title)}">{label}</li>')
     return (
-        f'<div class="heat"><img alt="layer by position heat map of held tokens" '
-        f'src="data:image/png;base64,{png}">{marker}</div>'
-        f'<div class="heataxis"><span>position 0</span><span>{html.escape(caption)}</span>'
+        f"{legend}"
+        f'<div class="heat" style="--layers:{layers}"><img alt="layer by position heat map '
+        f'of kept tokens" src="data:image/png;base64,{png}"><ol class="hrows">{"".join(labels)}</ol></div>'
+        f'<div class="heataxis"><span>layer ↓ · position 0</span><span>{html.escape(caption)}</span>'
         f"<span>{n - 1}</span></div>"
+        + (f'<div class="heatnote">{html.escape(note)}</div>' if note else "")
     )
 
 
 def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
-              layer: int | None, head: int | None) -> tuple[str, str]:
+              layer: int | None, head: int | None,
+              max_tokens: int = MAX_MAP_TOKENS, note: str = "") -> tuple[str, str]:
     """Token map and heat map of a conversation (``pieces``: one string per token) for
-    one layer and/or KV head (None: all)."""
+    one layer and/or KV head (None: all); the token map shows the newest ``max_tokens``
+    (``note``: why, if fewer than all)."""
     held = hold_matrix(stats, len(pieces), kv_heads)
     counts, total = hold_counts(select(held, layer, head))
     caption = (("all KV heads averaged" if head is None else f"KV head {head}")
-               + " · layer 0 on top" + ("" if layer is None else f", layer {layer} marked"))
-    return (token_map_html(pieces, counts, total, stats.seen),
-            heatmap_html(heat_rows(held, head), layer, caption))
+               + " · layer 0 on top" + ("" if layer is None else f", layer {layer} outlined"))
+    all_counts, everywhere = hold_counts(held)
+    evicted = bool((all_counts[: stats.seen] < everywhere).any())
+    return (token_map_html(pieces, counts, total, stats.seen, max_tokens, note),
+            heatmap_html(heat_rows(held, head), layer, caption,
+                         layer_rows(held, head, stats.seen), _heat_legend(head),
+                         blocks_note(stats.policy, stats.pinned, evicted)))
 
 
 class TokenPieces:

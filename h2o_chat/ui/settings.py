@@ -27,9 +27,12 @@ class Settings:
             with gr.Row():
                 self.temperature = gr.Slider(
                     0, max(2.0, gen.temperature), value=gen.temperature, step=0.05,
-                    label="temperature (0 = greedy)", elem_id="temperature")
+                    label="temperature (0 = greedy)", elem_id="temperature",
+                    info="0 always picks the likeliest next token; higher = more varied")
                 self.top_p = gr.Slider(0.05, 1.0, value=gen.top_p, step=0.05, label="top-p",
-                                       elem_id="top-p")
+                                       elem_id="top-p",
+                                       info="pick only among the likeliest tokens that "
+                                            "together have this much chance (1 = any)")
                 self.max_new_tokens = gr.Slider(
                     1, max(1024, gen.max_new_tokens), value=gen.max_new_tokens, step=1,
                     label="max new tokens per reply", elem_id="max-new-tokens")
@@ -43,11 +46,19 @@ class Settings:
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
-                self.policy = gr.Dropdown(list(POLICIES), value=cache.policy, label="cache policy",
-                                          elem_id="policy")
-                self.heavy = gr.Number(cache.heavy, precision=0, label="heavy slots", elem_id="heavy")
-                self.recent = gr.Number(cache.recent, precision=0, label="recent slots", elem_id="recent")
-                self.sink = gr.Number(cache.sink, precision=0, label="sink slots", elem_id="sink")
+                self.policy = gr.Dropdown(
+                    list(POLICIES), value=cache.policy, label="cache policy", elem_id="policy",
+                    info="which tokens the model keeps in memory once the budget is full "
+                         "(h2o: sink + recent + heavy; full: keeps all)")
+                # A slot holds one token's keys and values, in every layer and KV head.
+                self.heavy = gr.Number(
+                    cache.heavy, precision=0, label="heavy slots", elem_id="heavy",
+                    info="older tokens kept because they drew the most attention")
+                self.recent = gr.Number(cache.recent, precision=0, label="recent slots",
+                                        elem_id="recent", info="the newest tokens, always kept")
+                self.sink = gr.Number(
+                    cache.sink, precision=0, label="sink slots", elem_id="sink",
+                    info="the first tokens, always kept: attention leans on them")
                 self.rolling = gr.Checkbox(
                     cache.rolling, label="rolling positions", elem_id="rolling",
                     info="cached tokens at their rank in the cache, so a conversation can "

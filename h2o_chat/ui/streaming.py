@@ -11,6 +11,10 @@ import gradio as gr
 # Map and gauges are pushed at most this often while tokens stream (text goes out on
 # every token): rendering them on every token would slow decoding on a small CPU.
 UPDATE_INTERVAL_S = 0.3
+# The live retained-token map, rebuilt by the browser on each push, goes out at most this
+# often: pushed every 0.3 s, a long chat's map up to doubled the time the page's main
+# thread was busy (tools/measure_page.py --views long-chat --map-off-too).
+MAP_INTERVAL_S = 1.0
 # Two replies streaming at once (compare) push their text together at most this often:
 # each push re-renders the chatbots, and one push per token of each side kept the page's
 # main thread busy more than a third of the time (tools/measure_page.py).

@@ -15,6 +15,7 @@ from h2o_chat.session import Session, SessionStats
 
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal
+from .streaming import MAP_INTERVAL_S, Throttle
 
 
 def generating(server: ServerConfig) -> dict:
@@ -67,6 +68,7 @@ class ViewState:
         self._turn = threading.Lock()
         self._last: Snapshot | None = None
         self.closed = False
+        self.map_pace = Throttle(MAP_INTERVAL_S)  # when the live map may go out again
         _open_states.add(self)
 
     def sessions(self) -> list[Session]:
