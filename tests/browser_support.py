@@ -34,14 +34,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_app(*args: str, timeout: float = 120, log_path: Path | None = None) -> Iterator[str]:
-    """Start ``app.py`` on a free port with ``args``; yield its URL once it answers; stop
-    it at the end. Its output goes to a log that a failure to start shows, kept at
-    ``log_path`` if given (for tests that read what the server printed)."""
+def running_app(*args: str, timeout: float = 120, log_path: Path | None = None,
+                env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start ``app.py`` on a free port with ``args`` (and ``env`` added to its
+    environment); yield its URL once it answers; stop it at the end. Its output goes to a
+    log that a failure to start shows, kept at ``log_path`` if given (for tests that read
+    what the server printed)."""
     port = free_port()
     log = (open(log_path, "w+") if log_path else
            tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"

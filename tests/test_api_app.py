@@ -21,12 +21,9 @@ def url(tmp_path_factory):
     remembers per address."""
     config = tmp_path_factory.mktemp("login") / "config.yaml"
     config.write_text("server:\n  max_request_mb: 1\n  api_max_request_mb: 1\n")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("H2O_CHAT_USERNAME", "ann")
-        env.setenv("H2O_CHAT_PASSWORD", "s3cret")
-        env.setenv("H2O_CHAT_API_KEY", "k-123")
-        with running_app("--config", str(config)) as url:
-            yield url
+    login = {"H2O_CHAT_USERNAME": "ann", "H2O_CHAT_PASSWORD": "s3cret", "H2O_CHAT_API_KEY": "k-123"}
+    with running_app("--config", str(config), env=login) as url:
+        yield url
 
 
 def test_the_page_and_the_api_share_one_port_each_with_its_own_login(url):

@@ -32,9 +32,10 @@ def test_the_fidelity_panel_takes_no_room_while_off(page):
 
 
 def test_the_fidelity_detail_opens_at_its_first_highlighted_token(browser, app_url):
-    # Narrow, so the conversation overflows its box; the sink holds the first 200
-    # tokens, so every forgotten (highlighted) token lies below the box's first lines.
-    page = open_app(browser, app_url, width=600, height=900)
+    # Narrow (but wider than a phone, where the panel starts folded), so the conversation
+    # overflows its box; the sink holds the first 200 tokens, so every forgotten
+    # (highlighted) token lies below the box's first lines.
+    page = open_app(browser, app_url, width=700, height=900)
     try:
         open_tab(page, "Compare")
         configure(page, sink=200, heavy=8, recent=8, max_new_tokens=8)

@@ -61,7 +61,7 @@ TOKEN_MAP_CSS = "\n".join(
         ".pd { outline: 1px dashed var(--body-text-color-subdued); }",
         # The heat map: layer labels in the left margin, one hover row per layer over the
         # image, the selected layer outlined.
-        ".heat { position: relative; margin: 8px 0 0 2.6em; }",
+        ".heat { position: relative; margin: 8px 0 0 2.6rem; }",
         ".heat img { width: 100%; height: 240px; image-rendering: pixelated; display: block;"
         " border: 1px solid var(--border-color-primary); }",
         ".hrows { position: absolute; inset: 0; margin: 0; padding: 0; list-style: none;"
@@ -76,8 +76,8 @@ TOKEN_MAP_CSS = "\n".join(
         # Wraps on a narrow screen instead of running its three labels together.
         ".heataxis { display: flex; flex-wrap: wrap; justify-content: space-between;"
         " column-gap: 12px; font-size: 11px; color: var(--body-text-color-subdued);"
-        " margin-left: 2.6em; }",
-        ".heatnote { font-size: 12px; margin: 6px 0 0 2.6em; color: var(--body-text-color); }",
+        " margin-left: 2.6rem; }",
+        ".heatnote { font-size: 12px; margin: 6px 0 0 2.6rem; color: var(--body-text-color); }",
     ]
     + [
         f".k{k} {{ background: {_css_rgb(k / LEVELS)};"
