@@ -343,3 +343,24 @@ def test_a_stop_during_a_forward_pass_leaves_the_reply_continuable(smollm):
     whole = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
     assert received + more == "".join(whole.send(LONG_REPLY, temperature=0, max_new_tokens=15))
     assert session.tokens == whole.tokens
+
+
+def test_a_story_stopped_during_a_forward_pass_continues_as_if_never_stopped(smollm):
+    model, tokenizer = smollm
+    story = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    passes = []
+
+    def stop_in_the_third_pass(tokens, start, end, logits):
+        passes.append(end)
+        if len(passes) == 3:
+            story.stop()
+
+    story.observer = stop_in_the_third_pass
+    "".join(story.send("The storm reached the island at dusk.", temperature=0, max_new_tokens=40))
+    story.observer = None
+    assert story.finish_reason == "stopped" and len(story.reply) == 3
+    "".join(story.send("", temperature=0, max_new_tokens=9))  # the story view's Continue
+    whole = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    "".join(whole.send("The storm reached the island at dusk.", temperature=0, max_new_tokens=12))
+    assert story.tokens == whole.tokens and story.text == whole.text
+    assert_consistent(story)
