@@ -165,7 +165,6 @@ class Session:
         """Take a saved conversation's exact tokens, of which the cache (restored by the
         caller) has seen ``tokens[:fed]``."""
         self.tokens, self.fed = tokens, fed
-        self.reply, self.finish_reason = [], None
 
     @property
     def can_continue(self) -> bool:

@@ -46,7 +46,8 @@ def test_messages_sent_while_the_model_loads_show_at_once(browser, app_url):
         page.fill("#compare-input textarea", "Hi both!")
         page.click("#compare-send")
         for chat in ("compare-bounded-chat", "compare-full-chat"):
-            expect(page.locator(f"#{chat} [data-testid=user]")).to_have_text(["Hi both!"], timeout=10_000)
+            expect(page.locator(f"#{chat} [data-testid=user]")).to_have_text(["Hi both!"],
+                                                                             timeout=10_000)
             expect(page.locator(f"#{chat} [data-testid=bot]")).to_have_text([WAITING])
         _still_loading(page)
 

@@ -61,8 +61,8 @@ def main() -> None:
     for limit in limits:
         runs = [first_reply(model, tokenizer, config, text, limit) for text in FIRST_MESSAGES]
         for text, (wall, cpu, tokens, finish) in zip(FIRST_MESSAGES, runs):
-            print(f"  {limit}: {wall:5.1f} s wall {cpu:5.1f} s CPU {tokens:3d} tokens {finish:6s} {text}",
-                  flush=True)
+            print(f"  {limit}: {wall:5.1f} s wall {cpu:5.1f} s CPU {tokens:3d} tokens {finish:6s} "
+                  f"{text}", flush=True)
         cpu = [r[1] for r in runs]
         rows.append((str(limit), f"{statistics.median(r[0] for r in runs):.1f}",
                      f"{statistics.median(cpu):.1f}", f"{max(cpu):.1f}",

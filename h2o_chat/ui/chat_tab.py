@@ -245,11 +245,12 @@ class ChatTab:
                 shown: list[dict[str, str]], so_far: str = "") -> Iterator[dict]:
         """Stream a reply under ``shown``, its text ``so_far`` plus the chunks; at the end
         the conversation as the session holds it, with the chip of a reply cut short."""
+        limit = sampling["max_new_tokens"]
         yield from stream_turn(
             stream,
-            show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": so_far + reply}]},
+            show=lambda more: {self.chatbot: shown + [{"role": "assistant", "content": so_far + more}]},
             views=lambda final: self.views(values, state, final),
-            final=lambda: {self.chatbot: marked(state.shown(), state.session, sampling["max_new_tokens"])},
+            final=lambda: {self.chatbot: marked(state.shown(), state.session, limit)},
             closed=lambda: state.closed,
         )
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from h2o_chat.session import Session
 
-CONTINUE = "continue"  # the chip's value, for the option_select event
-
 
 def marker(session: Session, max_new_tokens: int) -> str | None:
     """The chip's text when ``session``'s last reply can go on, else None."""
     if not session.can_continue:
         return None
-    why = "⏹ stopped" if session.finish_reason == "stopped" else f"… cut at the {max_new_tokens}-token limit"
-    return f"{why} · continue"
+    if session.finish_reason == "stopped":
+        return "⏹ stopped · continue"
+    return f"… cut at the {max_new_tokens}-token limit · continue"
 
 
 def marked(shown: list[dict], session: Session, max_new_tokens: int) -> list[dict]:
@@ -27,4 +26,4 @@ def marked(shown: list[dict], session: Session, max_new_tokens: int) -> list[dic
     label = marker(session, max_new_tokens)
     if label is None or not shown or shown[-1]["role"] != "assistant":
         return shown
-    return shown[:-1] + [shown[-1] | {"options": [{"label": label, "value": CONTINUE}]}]
+    return shown[:-1] + [shown[-1] | {"options": [{"label": label, "value": "continue"}]}]
