@@ -51,7 +51,7 @@ class CacheConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     temperature: float = 0.7
     top_p: float = 0.9
     seed: int | None = None

@@ -94,6 +94,8 @@ class BatchScheduler:
     def forward(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
         """Feed ``ids`` ``(1, n)`` to ``cache`` and return the logits of the last token,
         ``(vocab,)``, once the worker has run it (alone or in a batch)."""
+        if ids.shape[1] < 1:  # the worker would never take it, and the caller wait for ever
+            raise ValueError("forward needs at least one token")
         request = _Request(cache, ids)
         with self._changed:
             self._pending.append(request)

@@ -236,3 +236,132 @@ def test_story_continuations_never_end_early(smollm):
     "".join(story.send(text, temperature=0, max_new_tokens=6))
     assert len(story.reply) == 6 and not set(story.reply) & story.eos_ids
     assert_consistent(story)
+
+
+LONG_REPLY = "Write a long story about a dragon."
+
+
+def _cached(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What every layer of the session's cache holds: the positions and the keys."""
+    return [(layer.positions.clone(), layer.keys.clone()) for layer in session.cache.layers]
+
+
+def test_a_reply_cut_at_its_limit_continues_as_if_never_cut(smollm):
+    """Greedy: 20 tokens, then 30 more with Continue, equal a 50-token reply run at once,
+    token for token, on an H2O cache that evicts all along (no re-read of the reply)."""
+    model, tokenizer = smollm
+    cut = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    whole = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    first = "".join(cut.send(LONG_REPLY, temperature=0, max_new_tokens=20))
+    assert cut.finish_reason == "length" and cut.can_continue and len(cut.reply) == 20
+    seen = cut.stats().cache.seen
+    more = "".join(cut.continue_reply(temperature=0, max_new_tokens=30))
+    reference = "".join(whole.send(LONG_REPLY, temperature=0, max_new_tokens=50))
+    assert whole.finish_reason == "length"  # neither reply ended by itself
+    assert cut.tokens == whole.tokens and cut.reply == whole.reply
+    assert first + more == reference and cut.messages == whole.messages
+    assert len(cut.messages) == 3 and cut.messages[-1]["content"] == reference
+    assert cut.template_text == whole.template_text
+    assert cut.stats().cache.seen == seen + 30 and cut.stats().generated == 30
+    assert_consistent(cut)
+    for (positions, keys), (whole_positions, whole_keys) in zip(_cached(cut), _cached(whole)):
+        assert torch.equal(positions, whole_positions) and torch.equal(keys, whole_keys)
+    # The conversation goes on from the continued reply as from the uninterrupted one.
+    assert "".join(cut.send("Thanks!", **GREEDY)) == "".join(whole.send("Thanks!", **GREEDY))
+
+
+def test_a_stopped_reply_continues_as_if_never_stopped(smollm):
+    model, tokenizer = smollm
+    stopped = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    received = []
+    for chunk in stopped.send(LONG_REPLY, temperature=0, max_new_tokens=50):
+        received.append(chunk)
+        if len(received) == 5:
+            stopped.stop()
+    assert stopped.finish_reason == "stopped" and stopped.can_continue
+    kept = len(stopped.reply)
+    more = "".join(stopped.continue_reply(temperature=0, max_new_tokens=20))
+    whole = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    reference = "".join(whole.send(LONG_REPLY, temperature=0, max_new_tokens=kept + 20))
+    assert "".join(received) + more == reference and stopped.tokens == whole.tokens
+    assert stopped.messages == whole.messages
+    assert_consistent(stopped)
+
+
+def test_only_a_reply_cut_short_can_continue(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model))
+    with pytest.raises(ValueError, match="nothing to continue"):
+        session.continue_reply(temperature=0)  # no reply yet
+    "".join(session.send("Say hi.", temperature=0, max_new_tokens=200))
+    assert session.finish_reason == "end" and not session.can_continue
+    before = (list(session.tokens), [dict(m) for m in session.messages])
+    with pytest.raises(ValueError, match="nothing to continue"):
+        session.continue_reply(temperature=0)
+    assert (session.tokens, session.messages) == before
+    # A chat rebuilt on its history cannot go on with the last reply: the chat template
+    # closed it.
+    rebuilt = ChatSession(model, tokenizer, cache=h2o(model), history=session.messages[1:])
+    assert rebuilt.finish_reason is None and not rebuilt.can_continue
+
+
+def test_a_continue_that_fails_at_once_keeps_the_reply_continuable(smollm):
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=256, recent=256))
+    "".join(session.send(LONG_REPLY, temperature=0, max_new_tokens=8))
+    before = (list(session.tokens), [dict(m) for m in session.messages], list(session.reply))
+    fail_next_update(session.cache.layers[12])
+    with pytest.raises(RuntimeError, match="injected"):
+        "".join(session.continue_reply(temperature=0, max_new_tokens=8))
+    assert (session.tokens, session.messages, session.reply) == before and session.can_continue
+    assert_consistent(session)
+    more = "".join(session.continue_reply(temperature=0, max_new_tokens=8))
+    whole = ChatSession(model, tokenizer, cache=h2o(model, heavy=256, recent=256))
+    reference = "".join(whole.send(LONG_REPLY, temperature=0, max_new_tokens=16))
+    assert reference == session.messages[-1]["content"]
+    assert more and session.tokens == whole.tokens
+
+
+def test_a_stop_during_a_forward_pass_leaves_the_reply_continuable(smollm):
+    """stop() from another thread lands while a pass runs: the token that pass predicts
+    is still sampled, so a continue has it to feed and goes on as if never stopped."""
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    passes = []
+
+    def stop_in_the_fifth_pass(tokens, start, end, logits):
+        passes.append(end)
+        if len(passes) == 5:  # the prompt, then the first four tokens of the reply
+            session.stop()
+
+    session.observer = stop_in_the_fifth_pass
+    received = "".join(session.send(LONG_REPLY, temperature=0, max_new_tokens=50))
+    session.observer = None
+    assert session.finish_reason == "stopped" and len(session.reply) == 5
+    assert session.messages[-1]["content"] == received
+    assert_consistent(session)
+    more = "".join(session.continue_reply(temperature=0, max_new_tokens=10))
+    whole = ChatSession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    assert received + more == "".join(whole.send(LONG_REPLY, temperature=0, max_new_tokens=15))
+    assert session.tokens == whole.tokens
+
+
+def test_a_story_stopped_during_a_forward_pass_continues_as_if_never_stopped(smollm):
+    model, tokenizer = smollm
+    story = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    passes = []
+
+    def stop_in_the_third_pass(tokens, start, end, logits):
+        passes.append(end)
+        if len(passes) == 3:
+            story.stop()
+
+    story.observer = stop_in_the_third_pass
+    "".join(story.send("The storm reached the island at dusk.", temperature=0, max_new_tokens=40))
+    story.observer = None
+    assert story.finish_reason == "stopped" and len(story.reply) == 3
+    "".join(story.send("", temperature=0, max_new_tokens=9))  # the story view's Continue
+    whole = StorySession(model, tokenizer, cache=h2o(model, heavy=16, recent=16))
+    "".join(whole.send("The storm reached the island at dusk.", temperature=0, max_new_tokens=12))
+    assert story.tokens == whole.tokens and story.text == whole.text
+    assert_consistent(story)

@@ -194,8 +194,8 @@ class Engine:
             stream.close()  # the session records the reply so far
         if text := stops.flush():
             turn.emit(Delta(text))
-        ended = session.reply[-1:] and session.reply[-1] in session.eos_ids
-        return "stop" if stops.stopped or ended or len(session.reply) < request.max_tokens else "length"
+        # A stop string or a client gone closed the stream early: the session says "stopped".
+        return "length" if session.finish_reason == "length" else "stop"
 
     def _new_session(self, model, tokenizer, history: tuple[Message, ...]) -> ChatSession:
         cache = self.config.cache

@@ -17,6 +17,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
+from .reply_marker import marked
 from .settings import Settings, budget, new_cache
 from .streaming import stream_turn
 from .view_state import (
@@ -24,6 +25,7 @@ from .view_state import (
 )
 
 GAUGE_LABEL = "Token counter"
+LOADING_REPLY = "(waiting for the model to load…)"
 
 
 class ChatState(ViewState):
@@ -60,6 +62,11 @@ class ChatState(ViewState):
 def shown_messages(session: ChatSession) -> list[dict[str, str]]:
     """The conversation as a chatbot shows it: copies, without the system message."""
     return [dict(m) for m in session.messages if m["role"] != "system"]
+
+
+def echo_while_loading(text: str) -> list[dict[str, str]]:
+    """A chat box's messages while the model loads: the message sent, shown at once."""
+    return [{"role": "user", "content": text}, {"role": "assistant", "content": LOADING_REPLY}]
 
 
 def _last_user_index(messages: list[dict[str, str]]) -> int | None:
@@ -124,7 +131,7 @@ class ChatTab:
         sends = [self.text.submit, self.send.click]
         regenerates = [self.regenerate.click, self.chatbot.retry]
         self.swap = SendStopSwap(self.send, self.stop, self.state)
-        self.swap.on([*sends, *regenerates, self.chatbot.edit])
+        self.swap.on([*sends, *regenerates, self.chatbot.edit, self.chatbot.option_select])
         turns = [
             gr.on(sends, refusing(self.on_send, self.chatbot), turn_inputs, outputs,
                   trigger_mode="multiple", **generating(self.server)),
@@ -132,6 +139,9 @@ class ChatTab:
                   **generating(self.server)),
             self.chatbot.edit(refusing(self.on_edit, self.chatbot), turn_inputs, outputs,
                               **generating(self.server)),
+            # The only option a message has is the Continue chip of a reply cut short.
+            self.chatbot.option_select(refusing(self.on_continue, self.chatbot), turn_inputs,
+                                       outputs, **generating(self.server)),
         ]
         self.swap.until(turns)
         gr.on([self.undo.click, self.chatbot.undo], refusing(self.on_undo, self.chatbot),
@@ -152,8 +162,7 @@ class ChatTab:
         state = values[self.state]
         if state is None:
             if not self.provider.ready:
-                yield {self.chatbot: [{"role": "user", "content": text},
-                                      {"role": "assistant", "content": "(waiting for the model to load…)"}]}
+                yield {self.chatbot: echo_while_loading(text)}
             try:
                 state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
                                   values[self.system_prompt], InputLimits.of(self.server))
@@ -187,6 +196,23 @@ class ChatTab:
                 state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
                 yield {self.chatbot: state.shown()} | self.views(values, state, True)
 
+    def on_continue(self, values: dict) -> Iterator[dict]:
+        state = values[self.state]
+        if state is None:
+            raise Refusal("Nothing to continue yet.")
+        with state.running():
+            sampling = self.settings.sampling(values)
+            try:
+                stream = state.session.continue_reply(**sampling)
+            except ValueError as err:
+                raise Refusal(str(err)) from None
+            shown = state.shown()  # the reply so far last, without its chip
+            yield {self.state: state, self.chatbot: shown}
+            # The chunks extend the reply's text up to a character its last token may have
+            # left incomplete.
+            yield from self._stream(values, state, stream, sampling, shown[:-1],
+                                    shown[-1]["content"].rstrip("\ufffd"))
+
     def on_undo(self, values: dict) -> dict:
         state = values[self.state]
         index = _last_user_index(state.shown()) if state else None
@@ -206,18 +232,25 @@ class ChatTab:
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
+        sampling = self.settings.sampling(values)
         try:
-            stream = state.session.send(text, pin=bool(values[self.pin_message]),
-                                        **self.settings.sampling(values))
+            stream = state.session.send(text, pin=bool(values[self.pin_message]), **sampling)
         except ValueError as err:
             raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
         yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False}
+        yield from self._stream(values, state, stream, sampling, shown)
+
+    def _stream(self, values: dict, state: ChatState, stream: Iterator[str], sampling: dict,
+                shown: list[dict[str, str]], so_far: str = "") -> Iterator[dict]:
+        """Stream a reply under ``shown``, its text ``so_far`` plus the chunks; at the end
+        the conversation as the session holds it, with the chip of a reply cut short."""
+        limit = sampling["max_new_tokens"]
         yield from stream_turn(
             stream,
-            show=lambda reply: {self.chatbot: shown + [{"role": "assistant", "content": reply}]},
+            show=lambda more: {self.chatbot: shown + [{"role": "assistant", "content": so_far + more}]},
             views=lambda final: self.views(values, state, final),
-            final=lambda: {self.chatbot: state.shown()},
+            final=lambda: {self.chatbot: marked(state.shown(), state.session, limit)},
             closed=lambda: state.closed,
         )
 

@@ -14,7 +14,7 @@ from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.inputs import InputLimits
 from h2o_chat.session import ChatSession
 
-from .chat_tab import shown_messages
+from .chat_tab import echo_while_loading, shown_messages
 from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
 from .gauges import (
@@ -23,6 +23,7 @@ from .gauges import (
 from .map_panel import MapPanel
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
+from .reply_marker import marked
 from .settings import Settings, budget, new_cache
 from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle
 from .view_state import (
@@ -66,6 +67,9 @@ class CompareState(ViewState):
         self.series = TurnSeries()
         self.turns = 0
         self.divergences: list[str] = []  # one line per turn
+        # Each side's decoding speed when it last generated: a side that a Continue
+        # does not take on (its reply ended by itself) keeps its own.
+        self.rates = dict.fromkeys(self.sides, 0.0)
         self.probe: FidelityProbe | None = None  # the fidelity gauge's shadow, while on
         self.fidelity_step: int | None = None  # the position picked in the gauge
 
@@ -83,6 +87,10 @@ class CompareState(ViewState):
 
     def shown(self, side: str) -> list[dict[str, str]]:
         return shown_messages(self.sides[side])
+
+    def cut_short(self) -> list[str]:
+        """The sides whose last reply can go on."""
+        return [side for side, session in self.sides.items() if session.can_continue]
 
 
 class CompareTab:
@@ -126,7 +134,7 @@ class CompareTab:
             self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
                                       elem_id="compare-full-gauge")
         self.divergence = gr.HTML("", elem_id="compare-divergence")
-        with gr.Row():
+        with gr.Accordion("Memory and slots, turn by turn", elem_id="compare-plots"), gr.Row():
             # Axes from 0, so the two caches' sizes compare at a glance: fitted to the
             # data, they made small changes look steep.
             self.memory_plot = gr.LinePlot(x="turn", y=MEMORY, color="cache", height=240,
@@ -149,13 +157,17 @@ class CompareTab:
 
     def _wire(self) -> None:
         sends = [self.text.submit, self.send.click]
+        # The only option a message has is the Continue chip of a reply cut short.
+        continues = [self.bounded_chat.option_select, self.full_chat.option_select]
         self.swap = SendStopSwap(self.send, self.stop, self.state)
-        self.swap.on(sends)
-        turn = gr.on(sends, refusing(self.on_send, self.full_chat),
-                     {self.state, self.text, self.map.live, self.fidelity.enabled,
-                      *self.settings.components, *self.map.pickers},
+        self.swap.on(sends + continues)
+        turn_inputs = {self.state, self.text, self.map.live, self.fidelity.enabled,
+                       *self.settings.components, *self.map.pickers}
+        turn = gr.on(sends, refusing(self.on_send, self.full_chat), turn_inputs,
                      self._outputs, trigger_mode="multiple", **generating(self.server))
-        self.swap.until([turn])
+        more = gr.on(continues, refusing(self.on_continue, self.full_chat), turn_inputs,
+                     self._outputs, **generating(self.server))
+        self.swap.until([turn, more])
         # A chat's own Clear icon resets the comparison: both sides, as Reset does.
         gr.on([self.reset.click, self.bounded_chat.clear, self.full_chat.clear],
               refusing(self.on_reset, self.full_chat), {self.state, *self.settings.components},
@@ -169,57 +181,99 @@ class CompareTab:
         text = values[self.text]
         if not text.strip():
             raise Refusal("Type a message first.")
-        if not self.provider.ready:
-            gr.Info("Waiting for the model to load…")
+        if values[self.state] is None and not self.provider.ready:
+            echo = echo_while_loading(text)
+            yield {self.bounded_chat: echo, self.full_chat: echo}
         loaded = wait_for_model(self.provider)
         state = values[self.state] or CompareState(
             loaded, self.settings.cache(values), self.config.generation.system_prompt,
             InputLimits.of(self.server))
-        sampling = self.settings.sampling(values)
-        if sampling["seed"] is None:  # one seed for both, so only the caches differ
-            sampling["seed"] = random.randrange(2**31)
-        chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
+        sampling = self._sampling(values)
         with state.running():
-            state.use_probe(values[self.fidelity.enabled])
-            state.fidelity_step = None  # a new reply: show its own worst step
+            self._start_reply(values, state)
             try:
                 streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
             except ValueError as err:
                 raise Refusal(str(err)) from None
-            turn = state.turns = state.turns + 1
+            state.turns += 1
             shown = {side: state.shown(side) + [{"role": "user", "content": text}]
                      for side in state.sides}
-            replies = dict.fromkeys(state.sides, "")
             yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
                    self.bounded_chat: shown[BOUNDED],
                    self.bounded_title: _title(state.labels[BOUNDED])}
-            steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
-            update = {}  # what changed since the last push
-            for side, chunk in steps:
-                if state.closed:
-                    return
-                replies[side] += chunk
-                update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
-                if throttle.due():
-                    update |= self._views(values, state, steps.busy, turn, final=False)
-                elif not paced.due():
-                    continue
-                yield update
-                update = {}
-            if not state.closed:
-                yield ({chats[side]: state.shown(side) for side in state.sides}
-                       | self._views(values, state, steps.busy, turn, final=True))
+            yield from self._stream(values, state, streams, sampling, shown, dict.fromkeys(streams, ""))
 
-    def _views(self, values: dict, state: CompareState, busy: dict[str, float], turn: int,
+    def on_continue(self, values: dict) -> Iterator[dict]:
+        """Both sides' replies go on where they were cut short (a side whose reply ended
+        by itself stays as it is), as the same turn."""
+        state = values[self.state]
+        if state is None or not state.cut_short():
+            raise Refusal("Nothing to continue: only a reply cut short by its token limit "
+                          "(max new tokens) or by Stop can go on.")
+        sampling = self._sampling(values)
+        with state.running():
+            self._start_reply(values, state)
+            try:
+                streams = {side: state.sides[side].continue_reply(**sampling)
+                           for side in state.cut_short()}
+            except ValueError as err:
+                raise Refusal(str(err)) from None
+            shown = {side: state.shown(side) for side in state.sides}  # without the chips
+            yield {self.bounded_chat: shown[BOUNDED], self.full_chat: shown[FULL]}
+            # The chunks extend each reply's text up to a character its last token may
+            # have left incomplete.
+            so_far = {side: shown[side][-1]["content"].rstrip("\ufffd") for side in streams}
+            yield from self._stream(values, state, streams, sampling,
+                                    {side: shown[side][:-1] for side in shown}, so_far)
+
+    def _sampling(self, values: dict) -> dict:
+        sampling = self.settings.sampling(values)
+        if sampling["seed"] is None:  # one seed for both, so only the caches differ
+            sampling["seed"] = random.randrange(2**31)
+        return sampling
+
+    def _start_reply(self, values: dict, state: CompareState) -> None:
+        state.use_probe(values[self.fidelity.enabled])
+        state.fidelity_step = None  # a new reply: show its own worst step
+
+    def _stream(self, values: dict, state: CompareState, streams: dict, sampling: dict,
+                shown: dict[str, list[dict]], so_far: dict[str, str]) -> Iterator[dict]:
+        """Stream the replies of ``streams``' sides under ``shown``, each after its text
+        ``so_far``; at the end both conversations as the sessions hold them, with the chip
+        of a reply cut short."""
+        chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
+        replies = dict(so_far)
+        steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
+        update = {}  # what changed since the last push
+        for side, chunk in steps:
+            if state.closed:
+                return
+            replies[side] += chunk
+            update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
+            if throttle.due():
+                update |= self._views(values, state, steps.busy, final=False)
+            elif not paced.due():
+                continue
+            yield update
+            update = {}
+        if not state.closed:
+            limit = sampling["max_new_tokens"]
+            yield ({chats[side]: marked(state.shown(side), session, limit)
+                    for side, session in state.sides.items()}
+                   | self._views(values, state, steps.busy, final=True))
+
+    def _views(self, values: dict, state: CompareState, busy: dict[str, float],
                final: bool) -> dict:
         """Both gauges, the divergence, at the end the per-turn plots, and (if live or at
-        the end) the bounded side's map, all from stats taken now, between two tokens."""
+        the end) the bounded side's map, all from stats taken now, between two tokens.
+        ``busy``: the time the sides generating now spent in their own steps."""
         snapshots = {BOUNDED: state.take(), FULL: Snapshot.of(state.sides[FULL])}
-        gauges = {
-            side: Gauge.of(state.labels[side], snap.stats,
-                           decode_rate(snap.stats.generated, busy[side], snap.stats.prefill_seconds))
-            for side, snap in snapshots.items()
-        }
+        for side in busy:
+            stats = snapshots[side].stats
+            state.rates[side] = decode_rate(stats.generated, busy[side], stats.prefill_seconds)
+        gauges = {side: Gauge.of(state.labels[side], snap.stats, state.rates[side])
+                  for side, snap in snapshots.items()}
+        turn = state.turns
         update = {
             self.bounded_gauge: gauge_html(gauges[BOUNDED]),
             self.full_gauge: gauge_html(gauges[FULL]),

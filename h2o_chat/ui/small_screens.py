@@ -11,7 +11,7 @@ import gradio as gr
 # wide screen beside or below the conversation, on a phone they made the page 3,000 px
 # tall.
 FOLDED_WHEN_NARROW = ("chat-pins", "chat-map", "story-pins", "story-map",
-                      "compare-fidelity", "compare-map")
+                      "compare-plots", "compare-fidelity", "compare-map")
 # page.css's breakpoint for narrow screens (its media query says the same).
 NARROW = "(max-width: 640px)"
 

@@ -1,0 +1,123 @@
+"""Replies cut short, in the real app and Debian's chromium: the marker under a reply
+that reached max new tokens or was stopped, and Continue, which extends the same reply
+with the model's own text (the marker never becomes part of the conversation)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from h2o_chat import ChatSession
+from h2o_chat.config import load_config
+from h2o_chat.ui.settings import new_cache
+
+from .browser_support import (
+    DONE_TIMEOUT_MS, configure, messages, open_tab, running_app, send, set_number, start_and_wait,
+)
+
+LONG = "Write a long story about a dragon."  # greedy, far more than 24 tokens to say
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app() as url:
+        yield url
+
+
+def _chips(page, chatbot: str) -> list[str]:
+    """The markers (with their continue) under the last reply of a chat box."""
+    return page.locator(f"#{chatbot} .option").all_inner_texts()
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _greedy_replies(model, tokenizer, turns: list[tuple[str, int]]) -> list[str]:
+    """The replies of a chat on the app's default cache and system prompt, each turn
+    ``(message, max_new_tokens)`` run at once."""
+    config = load_config()
+    session = ChatSession(model, tokenizer, new_cache(model, config.cache),
+                          system_prompt=config.generation.system_prompt,
+                          prefill_chunk_size=config.cache.prefill_chunk_size)
+    return ["".join(session.send(text, temperature=0, max_new_tokens=limit)) for text, limit in turns]
+
+
+def test_a_reply_cut_at_the_limit_is_marked_and_continue_extends_it(page, smollm):
+    configure(page, max_new_tokens=12)
+    send(page, "#chat-input", "#chat-send", LONG)
+    first = messages(page, "chatbot", "bot")
+    assert _chips(page, "chatbot") == ["… cut at the 12-token limit · continue"]
+    start_and_wait(page, "#chatbot .option")
+    # The same assistant message goes on: no new turn, the reply longer.
+    continued = messages(page, "chatbot", "bot")
+    assert messages(page, "chatbot", "user") == [LONG] and len(continued) == 1
+    assert continued[0].startswith(first[0]) and len(continued[0]) > len(first[0])
+    assert _chips(page, "chatbot") == ["… cut at the 12-token limit · continue"]  # cut again
+    # The conversation goes on from the model's own text, as if the reply had run 24
+    # tokens at once: the marker was never fed to it.
+    send(page, "#chat-input", "#chat-send", "Thanks!")
+    reference = _greedy_replies(*smollm, [(LONG, 24), ("Thanks!", 12)])
+    assert [_plain(r) for r in messages(page, "chatbot", "bot")] == [_plain(r) for r in reference]
+    assert messages(page, "chatbot", "user") == [LONG, "Thanks!"]
+
+
+def test_a_stopped_reply_is_marked_and_continues(page):
+    configure(page, max_new_tokens=300)
+    page.fill("#chat-input textarea", LONG)
+    page.click("#chat-send")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+        ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
+    page.click("#chat-stop")
+    expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+    assert _chips(page, "chatbot") == ["⏹ stopped · continue"]
+    stopped = messages(page, "chatbot", "bot")
+    set_number(page, "max-new-tokens", 8)
+    start_and_wait(page, "#chatbot .option")
+    continued = messages(page, "chatbot", "bot")
+    assert len(continued) == 1 and len(continued[0]) > len(stopped[0])
+    assert _chips(page, "chatbot") == ["… cut at the 8-token limit · continue"]
+    # Undo takes back the whole turn, marker included.
+    page.click("#chat-undo")
+    expect(page.locator("#chatbot [data-testid=bot]")).to_have_count(0)
+    assert _chips(page, "chatbot") == [] and page.input_value("#chat-input textarea") == LONG
+
+
+def test_compare_marks_both_sides_and_continue_extends_both_in_the_same_turn(page):
+    open_tab(page, "Compare")
+    configure(page, max_new_tokens=12)
+    send(page, "#compare-input", "#compare-send", LONG)
+    chats = ["compare-bounded-chat", "compare-full-chat"]
+    first = {chat: messages(page, chat, "bot") for chat in chats}
+    for chat in chats:
+        assert _chips(page, chat) == ["… cut at the 12-token limit · continue"]
+    start_and_wait(page, "#compare-full-chat .option")
+    for chat in chats:
+        continued = messages(page, chat, "bot")
+        assert messages(page, chat, "user") == [LONG] and len(continued) == 1
+        assert len(continued[0]) > len(first[chat][0])
+    expect(page.locator("#compare-divergence li")).to_have_count(1)  # still turn 1
+    assert "24 tokens" in page.inner_text("#compare-divergence")
+
+
+def test_a_stopped_story_continues(page):
+    open_tab(page, "Story")
+    set_number(page, "story-tokens", 300)
+    beginning = "The storm reached the island at dusk."
+    page.fill("#story-text textarea", beginning)
+    page.click("#story-continue")
+    page.wait_for_function(
+        "n => document.querySelector('#story-text textarea').value.length > n",
+        arg=len(beginning) + 20, timeout=DONE_TIMEOUT_MS)
+    page.click("#story-stop")
+    expect(page.locator("#story-continue")).to_be_visible(timeout=30_000)
+    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+    stopped = page.input_value("#story-text textarea")
+    set_number(page, "story-tokens", 8)
+    start_and_wait(page, "#story-continue")
+    continued = page.input_value("#story-text textarea")
+    assert continued.startswith(stopped) and len(continued) > len(stopped)
