@@ -17,10 +17,8 @@ WAITING = "(waiting for the model to load…)"
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("H2O_CHAT_CACHE", str(tmp_path_factory.mktemp("converted-models")))
-        with running_app() as url:
-            yield url
+    with running_app(env={"H2O_CHAT_CACHE": str(tmp_path_factory.mktemp("converted-models"))}) as url:
+        yield url
 
 
 def _still_loading(page) -> None:

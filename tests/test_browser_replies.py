@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from playwright.sync_api import expect
 
 from h2o_chat import ChatSession
@@ -14,16 +13,10 @@ from h2o_chat.config import load_config
 from h2o_chat.ui.settings import new_cache
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, messages, open_tab, running_app, send, set_number, start_and_wait,
+    DONE_TIMEOUT_MS, configure, messages, open_tab, send, set_number, start_and_wait,
 )
 
 LONG = "Write a long story about a dragon."  # greedy, far more than 24 tokens to say
-
-
-@pytest.fixture(scope="module")
-def app_url():
-    with running_app() as url:
-        yield url
 
 
 def _chips(page, chatbot: str) -> list[str]:
