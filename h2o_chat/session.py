@@ -28,6 +28,9 @@ from .inputs import (InputError, InputLimits, check_chat_turn, check_conversatio
 from .pin_text import decode, find_span, shorten
 from .scheduler import BatchScheduler, TakeTurns, scheduler_for
 
+_ENCODING = threading.Lock()  # see Session._encode; encoding is short, one lock is enough
+
+
 @dataclass
 class Sampling:
     max_new_tokens: int = GenerationConfig.max_new_tokens
@@ -242,7 +245,12 @@ class Session:
 
     def _encode(self, text: str, plain: bool = False) -> list[int]:
         """Token ids of ``text``; ``plain`` reads special-token strings as ordinary text."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
+        # A fast tokenizer applies split_special_tokens by setting a flag on its one Rust
+        # tokenizer, shared by every session on the model: a plain encode in one thread
+        # split another thread's chat-template markers into characters (seen: one of
+        # three batched replies answered a garbled prompt).
+        with _ENCODING:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The exact text of token ids of this conversation (special tokens included)."""

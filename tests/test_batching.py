@@ -156,7 +156,7 @@ def test_stopping_one_row_leaves_the_others_as_alone(smollm):
     alone = ChatSession(model, tokenizer, cache=h2o(model, 64, 64),
                         runner=TakeTurns(model))
     expected = "".join(alone.send("Count from one to one hundred in words.", **long))
-    assert replies[0] == replies[2] == expected
+    assert replies[0] == replies[2] == expected, (replies, expected)
     assert len(sessions[1].reply) < 8 and expected.startswith(replies[1])
     for session in sessions:
         assert_consistent(session)
@@ -221,3 +221,20 @@ def test_a_long_prefill_does_not_hold_up_the_others(smollm, chunk):
                         runner=TakeTurns(model), prefill_chunk_size=chunk)
     assert "".join(alone.send(paste + "\nHow many lines?", temperature=0, max_new_tokens=2)) == reader.messages[-1]["content"]
     assert alone.tokens == reader.tokens and kept(alone.cache) == kept(reader.cache)
+
+
+def test_sessions_starting_in_threads_read_the_same_prompt_tokens(smollm):
+    """Sessions on one tokenizer start their turns at once: each reads the prompt that one
+    session alone reads (the tokenizer is shared, and some of its settings are state)."""
+    model, tokenizer = smollm
+    message = "Count from one to ten, please."
+
+    def prompt_tokens() -> list[int]:
+        session = ChatSession(model, tokenizer, cache=h2o(model, 64, 64), runner=TakeTurns(model))
+        "".join(session.send(message, temperature=0, max_new_tokens=1))
+        return session.tokens[: len(session.tokens) - len(session.reply)]  # the prompt
+
+    expected = prompt_tokens()
+    read = []
+    together(*(lambda: read.extend(prompt_tokens() for _ in range(15)) for _ in range(4)))
+    assert len(read) == 60 and all(tokens == expected for tokens in read)
