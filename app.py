@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # on the 2-core dev machine under load, decoding fell from ~12 to ~1 token/s.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from h2o_chat.config import POLICIES, ConfigError, load_config  # noqa: E402
+from h2o_chat.config import POLICIES, STORAGE_BITS, ConfigError, load_config  # noqa: E402
 from h2o_chat.loading import EMBEDDED_GGUF, load_model  # noqa: E402
 
 
@@ -38,12 +38,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sink", type=int, help="attention-sink slots")
     parser.add_argument("--rolling", action="store_true", default=None,
                         help="rolling positions: cached tokens at their rank in the cache")
+    bits = ", ".join(map(str, STORAGE_BITS))
+    parser.add_argument("--key-bits", type=int, help=f"storage bits of cached keys: {bits}")
+    parser.add_argument("--value-bits", type=int, help=f"storage bits of cached values: {bits}")
+    parser.add_argument("--budget-mb", type=float,
+                        help="cache budget per conversation in MB (replaces --heavy and --recent)")
     return parser.parse_args(argv)
 
 
 def overrides(args: argparse.Namespace) -> dict:
     """The flags given, as a nested dict like the config file."""
-    sections = {"server": ("host", "port", "share"), "cache": ("policy", "heavy", "recent", "sink", "rolling")}
+    sections = {"server": ("host", "port", "share"),
+                "cache": ("policy", "heavy", "recent", "sink", "rolling", "key_bits", "value_bits", "budget_mb")}
     return {
         section: values
         for section, keys in sections.items()

@@ -20,6 +20,8 @@ import yaml
 # The cache policies, by name: config validation, the UI, the command line and the bench
 # all read this list; ``h2o_chat.engine.policies.make_policy`` builds each.
 POLICIES = ("full", "h2o", "recent", "sink")
+# Storage precisions of cached keys and values, in bits (cache.key_bits, cache.value_bits).
+STORAGE_BITS = (32, 16, 8, 4)
 
 
 @dataclass
@@ -47,6 +49,14 @@ class CacheConfig:
     # Place cached tokens at their rank in the cache instead of their absolute position,
     # so a conversation can outgrow the model's trained context.
     rolling: bool = False
+    # Storage precision of cached keys and of cached values: 32, 16, 8 or 4 bits; None =
+    # the model's dtype. 8 and 4 bits are quantized per token in groups of channels.
+    key_bits: int | None = None
+    value_bits: int | None = None
+    # A budget in megabytes per conversation instead of slot counts: the slots follow
+    # from the bytes a slot takes (at the precision above, over all layers and KV heads),
+    # pinned tokens counted; h2o splits them equally between heavy and recent.
+    budget_mb: float | None = None
 
 
 @dataclass
@@ -132,8 +142,8 @@ class _Rule:
     allowed: str  # completes "<field> = <value>: must be ..."
 
 
-def _choice(*options: str) -> _Rule:
-    return _Rule(lambda v: v in options, "must be one of " + ", ".join(options))
+def _choice(*options: str | int) -> _Rule:
+    return _Rule(lambda v: v in options, "must be one of " + ", ".join(map(str, options)))
 
 
 def _int_at_least(low: int) -> _Rule:
@@ -156,6 +166,9 @@ _RULES: dict[str, _Rule] = {
     "cache.recent": _int_at_least(0),
     "cache.sink": _int_at_least(0),
     "cache.score_norm": _choice("sum", "mean"),
+    "cache.key_bits": _choice(*STORAGE_BITS),
+    "cache.value_bits": _choice(*STORAGE_BITS),
+    "cache.budget_mb": _Rule(lambda v: 0 < v <= 1_000_000, "must be a number of megabytes > 0 and <= 1000000"),
     "cache.prefill_chunk_size": _int_at_least(1),
     "generation.max_new_tokens": _int_between(1, 32768),
     "generation.temperature": _Rule(
@@ -276,6 +289,9 @@ def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
     validated = AppConfig(**sections)
     cache = validated.cache
     check_cache_budgets(cache.policy, cache.heavy, cache.recent)
+    if cache.budget_mb is not None and cache.policy == "full":
+        raise ConfigError("cache.budget_mb is set but cache.policy is 'full', which keeps every token: "
+                          "choose h2o, sink or recent, or leave the budget out", field="cache.budget_mb")
     server = validated.server
     _check_text_limits(server, validated.generation.system_prompt)
     if (server.username is None) != (server.password is None):

@@ -203,10 +203,11 @@ def forward_one(model, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def forward_rows(model, caches: list[Cache], ids: torch.Tensor) -> list[torch.Tensor]:
+def forward_rows(model, caches: list[Cache], ids: torch.Tensor, batched_attention: bool = True) -> list[torch.Tensor]:
     """One decode step for several conversations at once: ``ids`` ``(rows, 1)``, row r
-    fed to ``caches[r]`` at that cache's own next position. The logits of each row."""
-    rows = RowsCache(caches)
+    fed to ``caches[r]`` at that cache's own next position. The logits of each row.
+    ``batched_attention`` False runs attention row by row (the benchmarks' comparison)."""
+    rows = RowsCache(caches, batched_attention)
     positions = torch.tensor([[cache.get_seq_length()] for cache in caches], device=ids.device)
     out = model(input_ids=ids, position_ids=positions, past_key_values=rows, use_cache=True,
                 logits_to_keep=1)

@@ -9,8 +9,10 @@ keep the same positions and produce the same logits.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from h2o_chat.engine.quant import KVStorage
 
 REFERENCE_NAME = "h2o_reference"
 
@@ -86,6 +88,27 @@ class ReferenceRule:
                     if p not in keep:
                         alive[b, h, p] = False
                         score[b, h, p] = 0.0
+
+
+class StoredAsCache(DynamicCache):
+    """A stock cache keeping every key and value as ``storage`` would read them back:
+    each token's are written and read through the storage's codecs on arrival (a slot's
+    storage depends on that slot alone, so this is what the engine holds for it)."""
+
+    def __init__(self, config, storage: KVStorage = KVStorage()) -> None:
+        super().__init__(config=config)
+        self.storage = storage
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self._stored(self.storage.keys, key_states),
+                              self._stored(self.storage.values, value_states), layer_idx, *args, **kwargs)
+
+    @staticmethod
+    def _stored(codec, x):
+        slots = x.shape[:3]
+        buffers = codec.empty("x", slots, x.shape[-1], x.device, x.dtype)
+        codec.write(buffers, "x", 0, slots[2], x)
+        return codec.read(buffers, "x", x.dtype)
 
 
 _active_rule: list[ReferenceRule] = []

@@ -45,7 +45,8 @@ def decode_alone(model, row, prompt, steps):
     return tokens, kept(cache)
 
 
-def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model):
+@pytest.mark.parametrize("batched_attention", [True, False])
+def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model, batched_attention):
     steps = 30
     caches = [new_cache(tiny_model, row) for row in ROWS]
     with torch.inference_mode():
@@ -55,7 +56,7 @@ def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model):
             for row, row_logits in enumerate(logits):
                 tokens[row].append(int(row_logits.argmax()))
             ids = torch.tensor([[t[-1]] for t in tokens])
-            logits = forward_rows(tiny_model, caches, ids)
+            logits = forward_rows(tiny_model, caches, ids, batched_attention)
     for row, prompt in enumerate(prompts()):
         alone_tokens, alone_kept = decode_alone(tiny_model, ROWS[row], prompt, steps)
         assert tokens[row] == alone_tokens, f"row {row}"

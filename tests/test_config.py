@@ -115,6 +115,8 @@ def test_top_level_that_is_not_a_mapping(tmp_path):
         ("server", "share", "yes", "expected bool"),
         ("model", "trust_remote_code", 1, "expected bool"),
         ("generation", "seed", 1.0, "expected int or null"),
+        ("cache", "key_bits", "8", "expected int or null"),
+        ("cache", "budget_mb", "1 GB", "expected float or null"),
     ],
 )
 def test_wrong_type(tmp_path, section, key, value, expected):
@@ -142,6 +144,9 @@ def test_bool_is_not_a_float(tmp_path):
         ("cache", "recent", -1, "must be an integer >= 0"),
         ("cache", "sink", -1, "must be an integer >= 0"),
         ("cache", "prefill_chunk_size", 0, "must be an integer >= 1"),
+        ("cache", "key_bits", 2, "must be one of 32, 16, 8, 4, or null"),
+        ("cache", "value_bits", 64, "must be one of 32, 16, 8, 4, or null"),
+        ("cache", "budget_mb", 0, "must be a number of megabytes > 0 and <= 1000000, or null"),
         ("generation", "max_new_tokens", 0, "from 1 to 32768"),
         ("generation", "max_new_tokens", 32769, "from 1 to 32768"),
         ("generation", "temperature", -0.1, "from 0 to 10"),
@@ -202,6 +207,12 @@ def test_window_policies_need_recent(policy):
     with pytest.raises(ConfigError, match=r"cache\.recent = 0") as info:
         load_config(overrides={"cache": {"policy": policy, "recent": 0}})
     assert info.value.field == "cache.recent"
+
+
+def test_a_budget_in_bytes_needs_a_policy_that_evicts(tmp_path):
+    err = error_for(tmp_path, "cache:\n  policy: full\n  budget_mb: 5\n")
+    assert err.field == "cache.budget_mb"
+    assert str(err).startswith("cache.budget_mb is set but cache.policy is 'full', which keeps every token")
 
 
 def test_full_policy_ignores_budget():

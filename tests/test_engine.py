@@ -8,18 +8,20 @@ from h2o_chat import make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
 
 from .helpers import fail_next_update, feed, record_slots_attended
-from .reference import REFERENCE_NAME, ReferenceRule, use_rule
+from .reference import REFERENCE_NAME, ReferenceRule, StoredAsCache, use_rule
 
 
 def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None,
-                             score_norm="sum"):
+                             score_norm="sum", key_bits=None, value_bits=None):
     """Prefill ``prompt`` in chunks, then decode greedily for ``steps`` tokens with the
-    engine, feeding the reference the same tokens. Returns both logits and the caches."""
-    cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink, score_norm=score_norm)
+    engine, feeding the reference the same tokens. Returns both logits and the caches.
+    With storage bits, the reference keeps what the engine's storage reads back."""
+    cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink, score_norm=score_norm,
+                       key_bits=key_bits, value_bits=value_bits)
     if protected:
         cache.protect(*protected)
     rule = ReferenceRule(heavy, recent, sink, protected, norm=score_norm)
-    reference_cache = DynamicCache(config=model.config)
+    reference_cache = StoredAsCache(model.config, cache.storage)
     engine_logits = [feed(model, cache, prompt, chunk)]
     model.set_attn_implementation(REFERENCE_NAME)
     try:

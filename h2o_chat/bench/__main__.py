@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paste-tokens", type=int, default=20000,
                    help="serve: tokens of the long paste in the latency test (0: no latency test)")
     p.add_argument("--samples", type=int, default=8, help="serve: short messages timed each way")
+    p.add_argument("--attention-rows", default="8,32",
+                   help="serve: comma list of row counts whose decode step is timed with attention batched "
+                        "over the rows and row by row ('': none)")
     p.add_argument("--threads", type=int, help="torch threads (default: the app's, one per physical core)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.mode].items():
@@ -213,7 +216,7 @@ TABLE: dict[str, Comparison] = {
         lambda b: serve.run(b.model, b.tokenizer,
                             [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",")],
                             b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
-                            log=log),
+                            [int(n) for n in b.args.attention_rows.split(",") if n], log=log),
         serve.plot, serve.markdown),
 }
 COMPARISONS = list(TABLE)

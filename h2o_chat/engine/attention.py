@@ -60,11 +60,15 @@ def awaiting_attention() -> AttentionClient | Rows | None:
 
 class Rows:
     """One attention call serving several conversations' own caches: batch row r is
-    attention over ``rows[r]``'s layer, with that layer's keys and values. Rows hold
-    different numbers of slots, so each row runs as it would alone (``engine.rows``)."""
+    attention over ``rows[r]``'s layer, with that layer's keys and values (``engine.rows``).
 
-    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]]) -> None:
+    ``batched``: the rows' slots are padded to the longest row and attended in one call,
+    padding masked out; else each row runs its own call, exactly as it would alone.
+    """
+
+    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], batched: bool = True) -> None:
         self.rows = rows
+        self.batched = batched
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -168,10 +172,42 @@ def h2o_attention(
         # No H2O cache in this call (e.g. a forward without past_key_values): plain sdpa.
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
     if isinstance(layer, Rows):
+        if layer.batched:
+            return _attend_rows(layer.rows, query, scaling), None
         outputs = [_attend(row, query[r : r + 1], keys, values, None, scaling)[0]
                    for r, (row, keys, values) in enumerate(layer.rows)]
         return torch.cat(outputs), None
     return _attend(layer, query, key, value, attention_mask, scaling)
+
+
+def _attend_rows(rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], query: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """One decode step's attention for rows of different caches in one call: each row's
+    held slots padded to the longest row's, the padding masked out (it gets exactly zero
+    probability), so a row's scores and eviction are its own. A per-row loop launched a
+    dozen small operations per row and layer, which dominates at many rows or on a GPU."""
+    prepared = [client.prepare(query[r : r + 1], None) for r, (client, _, _) in enumerate(rows)]
+    held = [keys.shape[2] for _, keys, _ in rows]
+    first_keys, first_values = rows[0][1], rows[0][2]
+    shape = (len(rows), first_keys.shape[1], max(held))
+    keys = first_keys.new_zeros((*shape, first_keys.shape[-1]))
+    values = first_values.new_zeros((*shape, first_values.shape[-1]))
+    visible = torch.zeros(shape, dtype=torch.bool, device=keys.device)
+    for r, ((_, row_keys, row_values), (_, valid)) in enumerate(zip(rows, prepared)):
+        keys[r, :, : held[r]] = row_keys[0]
+        values[r, :, : held[r]] = row_values[0]
+        visible[r, :, : held[r]] = True if valid is None else valid[0]
+    queries = torch.cat([row_query for row_query, _ in prepared])
+    mask = visible[:, :, None, :]  # (rows, kv_heads, query, slots)
+    if not any(client.wants_probabilities for client, _, _ in rows):
+        output = _sdpa_attention(queries, keys, values, mask, scaling)
+        for client, _, _ in rows:
+            client.receive(None)
+        return output
+    output, probabilities = _scored_attention(queries, keys, values, mask, scaling)
+    for r, (client, _, _) in enumerate(rows):
+        client.receive(probabilities[r : r + 1, ..., : held[r]] if client.wants_probabilities else None)
+    return output
 
 
 def _attend(layer: AttentionClient, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

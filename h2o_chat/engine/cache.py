@@ -21,9 +21,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import awaiting_attention, hand_over
+from .budget import ByteBudget
 from .policies import EvictionPolicy
+from .quant import KVStorage
 from .rope import RopeShifter
-from .slots import SlotGroup, grown_size
+from .slots import ROLLING_METADATA, SLOT_METADATA, SlotGroup, grown_size
 from .state import CacheStateMixin
 
 
@@ -32,6 +34,14 @@ class ProtectedSpans:
 
     def __init__(self) -> None:
         self.ranges: list[tuple[int, int]] = []
+
+    def covered(self) -> int:
+        """Positions inside any range, each counted once."""
+        covered, reached = 0, 0
+        for start, end in sorted(self.ranges):
+            covered += max(0, end - max(start, reached))
+            reached = max(reached, end)
+        return covered
 
     def contains(self, positions: torch.Tensor) -> torch.Tensor:
         inside = torch.zeros_like(positions, dtype=torch.bool)
@@ -46,7 +56,10 @@ class H2OLayer(CacheLayerMixin):
     The attributes ``keys``, ``values``, ``scores`` (float32), ``positions``, ``valid``
     (False for padding) and ``pinned`` are views of the ``held`` slots in use of buffers
     that the layer's ``SlotGroup`` owns. Shapes: keys/values ``(batch, kv_heads, held,
-    head_dim)``, the others ``(batch, kv_heads, held)``.
+    head_dim)``, the others ``(batch, kv_heads, held)``. Keys and values are stored as
+    ``storage`` says (``quant.py``): quantized, ``keys``/``values`` hold the codes and
+    ``keys_scale``/``keys_min`` (and the values') their groups' scales, and attention
+    reads them dequantized (``read``).
 
     With position rolling (``rope`` given), keys are not kept at their absolute positions
     but at their temporal rank among the held slots (``rotated_at``), and each call's
@@ -64,11 +77,17 @@ class H2OLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False  # evicted slots cannot be brought back
 
-    def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None) -> None:
+    def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None,
+                 storage: KVStorage = KVStorage()) -> None:
         super().__init__()
         self.policy = policy
         self.spans = spans
         self.rope = rope
+        self.storage = storage
+        # Rolling moves keys to new positions. Keys kept as the model gives them are
+        # rotated in place; quantized ones are stored unrotated and rotated when read, since
+        # re-quantizing at every move would add up error.
+        self.key_rotation = rope if storage.rotates_keys_in_place else None
         self.group: SlotGroup | None = None
         self.closes_group = False  # the last member: its attention call evicts the group
         self.eviction_held = False  # see H2OCache.hold_eviction
@@ -88,16 +107,12 @@ class H2OLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads = key_states.shape[:2]
         slots = (batch, heads, 0)
+        metadata = SLOT_METADATA | (ROLLING_METADATA if self.rope is not None else {})
         empty = {
-            "keys": key_states.new_empty((*slots, key_states.shape[-1])),
-            "values": value_states.new_empty((*slots, value_states.shape[-1])),
-            "scores": torch.zeros(slots, dtype=torch.float32, device=self.device),
-            "positions": torch.zeros(slots, dtype=torch.long, device=self.device),
-            "valid": torch.ones(slots, dtype=torch.bool, device=self.device),
-            "pinned": torch.zeros(slots, dtype=torch.bool, device=self.device),
+            **self.storage.keys.empty("keys", slots, key_states.shape[-1], self.device, self.dtype),
+            **self.storage.values.empty("values", slots, value_states.shape[-1], self.device, self.dtype),
+            **{name: torch.zeros(slots, dtype=dtype, device=self.device) for name, dtype in metadata.items()},
         }
-        if self.rope is not None:
-            empty["rotated_at"] = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.held = 0
         SlotGroup.alone(self, empty, size=0)
         self.is_initialized = True
@@ -116,14 +131,17 @@ class H2OLayer(CacheLayerMixin):
         start, end = self.held, self.held + new
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
         buffers = self._buffers
+        dtype = key_states.dtype
         if self.rope is not None:
             # New tokens go right after the held slots, whatever their absolute position.
             self._query_shift = start - self.seen
-            if self._query_shift:
+            if self.key_rotation is None:
+                key_states = self.rope.shift(key_states, -positions.expand(*key_states.shape[:2], -1))
+            elif self._query_shift:
                 key_states = self.rope.shift(key_states, self._query_shift)
             buffers["rotated_at"][:, :, start:end] = torch.arange(start, end, device=self.device)
-        buffers["keys"][:, :, start:end] = key_states
-        buffers["values"][:, :, start:end] = value_states
+        self.storage.keys.write(buffers, "keys", start, end, key_states)
+        self.storage.values.write(buffers, "values", start, end, value_states)
         buffers["scores"][:, :, start:end] = 0
         buffers["positions"][:, :, start:end] = positions
         buffers["valid"][:, :, start:end] = True
@@ -131,7 +149,16 @@ class H2OLayer(CacheLayerMixin):
         self.seen += new
         self.held = end
         hand_over(self)
-        return self.keys, self.values
+        return self.read(dtype)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held slots' keys and values as attention uses them, in ``dtype``: the
+        stored ones where kept as given, else dequantized (one pass over the held slots)."""
+        held = {name: getattr(self, name) for name in self._buffers}
+        keys = self.storage.keys.read(held, "keys", dtype)
+        if self.rope is not None and self.key_rotation is None:
+            keys = self.rope.shift(keys, self.rotated_at)
+        return keys, self.storage.values.read(held, "values", dtype)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.
@@ -147,6 +174,8 @@ class H2OLayer(CacheLayerMixin):
         if self.group is not None:
             self.group.dissolve()
         self.group = None
+        for name in self._buffers:
+            setattr(self, name, None)
         self._buffers = {}
         self.keys = self.values = None
         self.scores = self.positions = self.valid = self.pinned = None
@@ -255,7 +284,7 @@ class H2OLayer(CacheLayerMixin):
         same memory layout, so the next logits are bit-identical."""
         self.reset()
         keys = slots["keys"]
-        self.dtype, self.device = keys.dtype, torch.device(device)
+        self.device = torch.device(device)
         self.held = keys.shape[2]
         SlotGroup.alone(self, slots, size, self.device)
         self.seen, self.has_padding = seen, has_padding
@@ -296,6 +325,11 @@ class CacheStats:
     kv_bytes: int
     held_bytes: int
     layers: list[LayerStats]
+    # Storage bits of keys and values (the model's dtype's where not set; None before the
+    # first token), and the budget in bytes where the cache has one.
+    key_bits: int | None = None
+    value_bits: int | None = None
+    budget_bytes: int | None = None
 
     @property
     def budget_reached(self) -> bool:
@@ -306,11 +340,16 @@ class H2OCache(CacheStateMixin, Cache):
     """A transformers ``Cache`` whose layers evict by an ``EvictionPolicy``; saved and
     resumed with ``state``/``load_state`` (``state.py``)."""
 
-    def __init__(self, policy: EvictionPolicy, num_layers: int, rope: RopeShifter | None = None) -> None:
+    def __init__(self, policy: EvictionPolicy, num_layers: int, rope: RopeShifter | None = None,
+                 storage: KVStorage = KVStorage(), byte_budget: ByteBudget | None = None) -> None:
         self.policy = policy
         self.spans = ProtectedSpans()
         self.rolling = rope is not None
-        super().__init__(layers=[H2OLayer(policy, self.spans, rope) for _ in range(num_layers)])
+        self.storage = storage
+        # With a budget in bytes, pinned tokens take their slots from the policy's share
+        # (``_fit_budget``), so the cache holds at most the budget's tokens at rest.
+        self.byte_budget = byte_budget
+        super().__init__(layers=[H2OLayer(policy, self.spans, rope, storage) for _ in range(num_layers)])
 
     @property
     def seen(self) -> int:
@@ -384,6 +423,7 @@ class H2OCache(CacheStateMixin, Cache):
                              f"already evicted (first at position {lost[0]})")
         self.spans.ranges.append((start, end))
         self._refresh_pinned()
+        self._fit_budget()
 
     def unprotect(self, start: int, end: int) -> None:
         """Undo one ``protect(start, end)``: its tokens become ordinary eviction candidates
@@ -397,6 +437,7 @@ class H2OCache(CacheStateMixin, Cache):
             raise ValueError(f"[{start}, {end}) is not a protected span; protected: "
                              f"{self.spans.ranges}") from None
         self._refresh_pinned()
+        self._fit_budget()
         with torch.inference_mode():
             self._evict_all()
 
@@ -417,6 +458,12 @@ class H2OCache(CacheStateMixin, Cache):
             counts = torch.bincount(inside, minlength=past_end - start).cpu()
             everywhere &= counts == positions.shape[0] * positions.shape[1]
         return (start + (~everywhere).nonzero().flatten()).tolist()
+
+    def _fit_budget(self) -> None:
+        """Give the policy what the byte budget leaves beside the pinned tokens (those
+        not seen yet included: they will be held once fed)."""
+        if self.byte_budget is not None:
+            self.policy.fit(self.byte_budget.slots - self.spans.covered())
 
     def _refresh_pinned(self) -> None:
         # Sessions feed in inference mode, so the buffers may be inference tensors.
@@ -454,4 +501,13 @@ class H2OCache(CacheStateMixin, Cache):
             kv_bytes=kv_bytes,
             held_bytes=held_bytes,
             layers=layers,
+            key_bits=self._bits(self.storage.key_bits, "keys"),
+            value_bits=self._bits(self.storage.value_bits, "values"),
+            budget_bytes=None if self.byte_budget is None else self.byte_budget.bytes,
         )
+
+    def _bits(self, bits: int | None, name: str) -> int | None:
+        first = self.layers[0]
+        if bits is None and first.is_initialized:
+            return getattr(first, name).element_size() * 8
+        return bits

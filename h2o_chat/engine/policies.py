@@ -57,6 +57,11 @@ class EvictionPolicy:
         """
         return None
 
+    def fit(self, capacity: int) -> None:
+        """Keep ``capacity`` evictable slots at rest from now on (a byte budget's slots
+        less the pinned ones), by resizing the share that pins may take."""
+        raise ValueError(f"the {self.name} policy has no budget to fit")
+
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name}
 
@@ -97,6 +102,9 @@ class RecentPolicy(EvictionPolicy):
     def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return positions.argmin(dim=-1, keepdim=True)
 
+    def fit(self, capacity: int) -> None:
+        self.recent = max(1, capacity)
+
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "recent": self.recent}
 
@@ -120,6 +128,9 @@ class SinkPolicy(EvictionPolicy):
         # The oldest token past the sink: the one leaving the recent window.
         past_sink = positions.masked_fill(positions < self.sink, torch.iinfo(positions.dtype).max)
         return past_sink.argmin(dim=-1, keepdim=True)
+
+    def fit(self, capacity: int) -> None:
+        self.recent = max(1, capacity - self.sink)
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name, "sink": self.sink, "recent": self.recent}
@@ -174,6 +185,11 @@ class H2OPolicy(EvictionPolicy):
         lowest = scores == scores.amin(dim=-1, keepdim=True)
         # The newest of equally low slots, as ``keep`` drops.
         return positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
+
+    def fit(self, capacity: int) -> None:
+        # Pins take heavy-hitter slots: the recent window stays whole, so ``drop_one``'s
+        # reading of it (never evicted) holds.
+        self.heavy = max(0, capacity - self.sink - self.recent)
 
     def describe(self) -> dict[str, int | str]:
         described = {"policy": self.name, "heavy": self.heavy, "recent": self.recent, "sink": self.sink}

@@ -20,9 +20,9 @@ from .attention import Rows, awaiting_attention, hand_over
 class _RowsLayer(CacheLayerMixin):
     """Layer ``index`` of every row's cache."""
 
-    def __init__(self, caches: list[Cache], index: int) -> None:
+    def __init__(self, caches: list[Cache], index: int, batched: bool) -> None:
         super().__init__()
-        self.caches, self.index = caches, index
+        self.caches, self.index, self.batched = caches, index, batched
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -34,7 +34,7 @@ class _RowsLayer(CacheLayerMixin):
         for row, cache in enumerate(self.caches):
             keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], self.index)
             rows.append((awaiting_attention(), keys, values))
-        hand_over(Rows(rows))
+        hand_over(Rows(rows, self.batched))
         # The attention function reads each row's own slots from ``Rows``; these are
         # only what the model's attention module passes along.
         return key_states, value_states
@@ -52,9 +52,10 @@ class _RowsLayer(CacheLayerMixin):
 
 
 class RowsCache(Cache):
-    """``caches`` as the rows of one batch of single-token decode steps."""
+    """``caches`` as the rows of one batch of single-token decode steps; ``batched``:
+    their attention runs as one call over padded rows (else one call per row)."""
 
-    def __init__(self, caches: list[Cache]) -> None:
+    def __init__(self, caches: list[Cache], batched: bool = True) -> None:
         if len({len(cache.layers) for cache in caches}) != 1:
             raise ValueError("the caches of one batch must belong to one model")
-        super().__init__(layers=[_RowsLayer(caches, i) for i in range(len(caches[0].layers))])
+        super().__init__(layers=[_RowsLayer(caches, i, batched) for i in range(len(caches[0].layers))])

@@ -17,6 +17,10 @@ import torch
 from .policies import EvictionPolicy
 from .rope import RopeShifter
 
+# Each slot's bookkeeping beside its key and value, by buffer name.
+SLOT_METADATA = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool, "pinned": torch.bool}
+ROLLING_METADATA = {"rotated_at": torch.long}  # the rank a key is rotated to, with rolling
+
 
 def grown_size(size: int, slots: int, held: int, capacity: int | None, pinned: int) -> int:
     """Buffer size for ``slots`` slots. Geometric growth: a cache below its budget would
@@ -31,7 +35,9 @@ def grown_size(size: int, slots: int, held: int, capacity: int | None, pinned: i
 def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPolicy,
                 rope: RopeShifter | None) -> int:
     """Evict the slots ``policy`` drops from ``buffers`` (``(batch, heads, size, ...)``,
-    the first ``held`` slots in use) and return the new number of slots held.
+    the first ``held`` slots in use) and return the new number of slots held. With
+    rolling (a ``rotated_at`` buffer), kept keys get their new ranks, and ``rope`` rotates
+    them there where they are rotated in place.
 
     ``heads`` may be the KV heads of one layer or of several stacked layers: the policy
     decides per head, so one call serves a whole ``SlotGroup``.
@@ -52,7 +58,7 @@ def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPol
         for buffer in buffers.values():
             index = drop.view(*drop.shape, *[1] * (buffer.dim() - 3)).expand(*drop.shape, *buffer.shape[3:])
             buffer.scatter_(2, index, buffer[:, :, held - 1 : held].clone())
-        if rope is not None:
+        if "rotated_at" in buffers:
             _roll_to_ranks(buffers, held - 1, rope)
         return held - 1
     # The policy sees the evictable slots oldest first (pinned ones sort last).
@@ -70,19 +76,22 @@ def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPol
     movers = (movers[0], movers[1], movers[2] + new_held)
     for buffer in buffers.values():
         buffer[holes] = buffer[movers]
-    if rope is not None:
+    if "rotated_at" in buffers:
         _roll_to_ranks(buffers, new_held, rope)
     return new_held
 
 
-def _roll_to_ranks(buffers: dict[str, torch.Tensor], held: int, rope: RopeShifter) -> None:
-    """Move every kept key to its temporal rank among the held slots."""
+def _roll_to_ranks(buffers: dict[str, torch.Tensor], held: int, rope: RopeShifter | None) -> None:
+    """Give every kept key its temporal rank among the held slots (``rotated_at``), and
+    rotate it there with ``rope`` where keys are rotated in place (None: they are
+    rotated when read)."""
     order = buffers["positions"][:, :, :held].argsort(dim=-1)
     ranks = torch.arange(held, device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, ranks)
     rotated_at = buffers["rotated_at"][:, :, :held]
-    keys = buffers["keys"][:, :, :held]
-    keys.copy_(rope.shift(keys, rank - rotated_at))
+    if rope is not None:
+        keys = buffers["keys"][:, :, :held]
+        keys.copy_(rope.shift(keys, rank - rotated_at))
     rotated_at.copy_(rank)
 
 
@@ -90,7 +99,7 @@ class SlotMember(Protocol):
     """What a ``SlotGroup`` needs of a member layer (``H2OLayer``)."""
 
     policy: EvictionPolicy
-    rope: RopeShifter | None
+    key_rotation: RopeShifter | None  # rotates kept keys in place when rolling moves them
     held: int  # slots in use; setting it re-points the layer's views
 
     @property
@@ -198,7 +207,7 @@ class SlotGroup:
                 continue
             # A view (never a copy), so evicting it evicts the members.
             flat = {name: t[:, start:end].view(t.shape[0], -1, *t.shape[3:]) for name, t in self.buffers.items()}
-            held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].rope)
+            held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].key_rotation)
             for layer in layers[start:end]:
                 layer.held = held
             start = end

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from .quant import KVStorage
+from .slots import ROLLING_METADATA, SLOT_METADATA
+
 _COUNTERS = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
-_DTYPES = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool,
-           "pinned": torch.bool, "rotated_at": torch.long}
+_DTYPES = SLOT_METADATA | ROLLING_METADATA
 # Settings a policy's ``describe()`` leaves out at their default value.
 _IMPLIED = {"h2o": {"score_norm": "sum"}}
 # A message lists this many differences at most (a hand-made file may name any number).
@@ -90,8 +92,12 @@ class CacheStateMixin:
         return tensors, info
 
     def settings(self) -> dict[str, int | str | bool]:
-        """Policy, budgets and rolling: what a saved state must match to be loaded."""
-        return self.policy.describe() | {"rolling": self.rolling}
+        """Policy, budgets, rolling and storage bits: what a saved state must match to be
+        loaded (bits left at the model's dtype are left out, as in files saved before
+        they existed)."""
+        described = self.policy.describe() if self.byte_budget is None else \
+            self.byte_budget.settings | {"budget_bytes": self.byte_budget.bytes}
+        return described | {"rolling": self.rolling} | self.storage.describe()
 
     def check_settings(self, saved: dict, source: str = "the saved state") -> None:
         """ValueError naming every setting where ``saved`` differs from this cache's."""
@@ -116,7 +122,7 @@ class CacheStateMixin:
                 raise ValueError(f"unexpected tensor {name!r} in the saved state")
             per_layer[int(match[1])][match[2]] = t
         for index, (slots, counters) in enumerate(zip(per_layer, info["layers"])):
-            _check_layer(slots, counters, self.rolling, f"layer {index}")
+            _check_layer(slots, counters, self.rolling, self.storage, f"layer {index}")
         seen = {counters["seen"] for counters in info["layers"]}
         if len(seen) != 1:
             raise ValueError(f"the saved layers have seen different token counts {sorted(seen)}")
@@ -129,9 +135,11 @@ class CacheStateMixin:
             else:
                 layer.reset()
         self.spans.ranges[:] = spans  # in place: the layers share this object
+        self._fit_budget()
 
 
-def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, where: str) -> None:
+def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, storage: KVStorage,
+                 where: str) -> None:
     """Raise ValueError naming ``where`` if a layer could not be restored from this."""
     for key, kind in _COUNTERS.items():
         if type(counters.get(key)) is not kind:
@@ -140,7 +148,9 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
         if slots or counters["seen"] or counters["held"]:
             raise ValueError(f"{where}: an empty layer must hold no tokens")
         return
-    names = {"keys", "values", "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
+    head_dim = slots["keys"].shape[-1] if "keys" in slots else 0
+    stored = storage.layout(head_dim, torch.float32)  # names, and dtypes where quantized
+    names = {*stored, "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
     if set(slots) != names:
         raise ValueError(f"{where}: tensors {sorted(slots)}, expected {sorted(names)}")
     held, size, seen = counters["held"], counters["size"], counters["seen"]
@@ -150,7 +160,12 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
     if keys.dim() != 4 or keys.shape[2] != held or slots["values"].shape[:3] != keys.shape[:3]:
         raise ValueError(f"{where}: keys/values of shape {tuple(keys.shape)}/"
                          f"{tuple(slots['values'].shape)} do not hold {held} slots")
-    for name in names - {"keys", "values"}:
+    for name in set(stored) - {"keys", "values"}:
+        t, (dtype, _) = slots[name], stored[name]
+        if t.dim() != 4 or t.shape[:3] != keys.shape[:3] or t.dtype != dtype:
+            raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} "
+                             f"{tuple(keys.shape[:3])} + one per group")
+    for name in names - set(stored):
         t = slots[name]
         if t.shape != keys.shape[:3] or t.dtype != _DTYPES[name]:
             raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected "

@@ -89,7 +89,8 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
         # its budget plus one prefill chunk, never further.
         require_int(info.get("size"), f"{field}.size", held, held + max(held, prefill_chunk_size),
                     "held slots plus room for one prefill chunk or a doubling")
-        _check_layer_tensors(tensors, index, (1, heads, held, head_dim), model.dtype, fed, capacity, pinned)
+        stored = cache.storage.layout(head_dim, model.dtype)
+        _check_layer_tensors(tensors, index, (1, heads, held), stored, model.dtype, fed, capacity, pinned)
 
 
 def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:
@@ -110,19 +111,24 @@ def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:
     return covered
 
 
-def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, shape: tuple[int, ...],
-                         dtype: torch.dtype, fed: int, capacity: int | None, pinned: int) -> None:
-    """Layer ``index``'s keys and values of the model's ``shape`` and ``dtype``, all
-    finite; positions among the tokens fed; no more pinned slots than pinned tokens."""
+def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, slots: tuple[int, ...],
+                         stored: Mapping[str, tuple[torch.dtype, int]], model_dtype: torch.dtype, fed: int,
+                         capacity: int | None, pinned: int) -> None:
+    """Layer ``index``'s stored keys and values (``stored``: each buffer's dtype and last
+    dimension, scales of quantized slots included) over ``slots`` ``(batch, heads,
+    held)``, all finite; positions among the tokens fed; no more pinned slots than
+    pinned tokens."""
     prefix = f"{TENSORS}: layers.{index}"
-    for name in ("keys", "values"):
+    for name, (dtype, last) in stored.items():
         tensor = tensors.get(f"layers.{index}.{name}")
         if tensor is None:
             continue  # the cache's own check names what is missing
+        shape = (*slots, last)
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise InputError(f"{prefix}.{name} is {tensor.dtype} {tuple(tensor.shape)}; the model's "
-                             f"are {dtype} {shape}", f"{prefix}.{name}")
-    for name in ("keys", "values", "scores"):
+            whose = "the model's are" if dtype == model_dtype else "this cache's precision stores"
+            raise InputError(f"{prefix}.{name} is {tensor.dtype} {tuple(tensor.shape)}; {whose} "
+                             f"{dtype} {shape}", f"{prefix}.{name}")
+    for name in (*stored, "scores"):
         tensor = tensors.get(f"layers.{index}.{name}")
         if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise InputError(f"{prefix}.{name} holds NaN or infinite values", f"{prefix}.{name}")
@@ -132,7 +138,7 @@ def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, shape:
     flags = tensors.get(f"layers.{index}.pinned")
     if flags is not None and flags.dtype == torch.bool and flags.dim() == 3:
         most = int(flags.sum(-1).max()) if flags.numel() else 0
-        if most > pinned or (capacity is not None and shape[2] - most > capacity):
+        if most > pinned or (capacity is not None and slots[2] - most > capacity):
             raise InputError(f"{prefix}.pinned marks {most} slots: must be at most the {pinned} protected "
                              "tokens, with the rest within the budget", f"{prefix}.pinned")
 

@@ -1,0 +1,53 @@
+"""A cache budget in bytes: how many slots a conversation's bytes buy, and how a policy
+splits them.
+
+One slot is one token of one layer and KV head: its key and value at the storage's
+precision (scales included) and its bookkeeping (score, position, flags). A token held
+in every layer and KV head costs ``slot_bytes`` of them all; a budget of ``bytes`` holds
+``bytes // slot_bytes`` tokens, pinned ones included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .quant import KVStorage
+from .slots import ROLLING_METADATA, SLOT_METADATA
+
+
+def token_bytes(model: torch.nn.Module, storage: KVStorage, rolling: bool) -> int:
+    """Bytes one token takes in every layer and KV head of ``model``'s cache."""
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    metadata = SLOT_METADATA | (ROLLING_METADATA if rolling else {})
+    per_slot = storage.slot_bytes(head_dim, model.dtype) + sum(dtype.itemsize for dtype in metadata.values())
+    return config.num_hidden_layers * kv_heads * per_slot
+
+
+@dataclass(frozen=True)
+class ByteBudget:
+    """``bytes`` per conversation at ``token_bytes`` a token; ``settings`` is the policy's
+    description before any pins (a cache's saved settings must not move with its pins)."""
+
+    bytes: int
+    token_bytes: int
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        """Tokens the budget holds, pinned ones included."""
+        return self.bytes // self.token_bytes
+
+
+def split_slots(policy: str, slots: int, sink: int) -> dict[str, int]:
+    """The budgets of ``policy`` that fill ``slots``: after the sink, h2o gives heavy and
+    recent equal halves (the paper's split), sink and recent keep only a window."""
+    if policy == "h2o":
+        recent = (slots - sink) // 2
+        return {"sink": sink, "recent": recent, "heavy": slots - sink - recent}
+    if policy == "sink":
+        return {"sink": sink, "recent": slots - sink}
+    return {"recent": slots}

@@ -1,0 +1,191 @@
+"""How a slot's key or value is stored: as the model gives it, as another float type, or
+quantized to 8 or 4 bits.
+
+A codec owns one or more buffers per stored quantity (``keys``, or ``keys`` plus
+``keys_scale`` and ``keys_min``), each ``(batch, heads, size, ...)`` with slots on dim 2,
+so eviction, stacking, saving and resuming move them like any other slot buffer.
+
+Quantization is per slot (one token of one KV head) in groups of ``group`` neighbouring
+channels along the head dimension, asymmetric: ``x ≈ min + scale * code``, with
+``code`` in ``0 .. 2**bits - 1`` and ``scale``/``min`` in float16. Per slot rather than per
+channel because H2O evicts single slots: a slot must be readable without its
+neighbours, which may be gone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from h2o_chat.config import STORAGE_BITS as BITS
+
+# Float types a codec stores as, by bits, where the model's own dtype is not that wide.
+_FLOAT_OF_BITS = {32: torch.float32, 16: torch.float16}
+# Largest finite float16: a quantized value beyond it saturates there, as a float16
+# cache's would.
+_HALF_MAX = torch.finfo(torch.float16).max
+# Channels per scale and minimum: 4 bytes of them per 32 channels, an eighth of a byte
+# per channel on top of the codes.
+GROUP = 32
+
+
+class SlotCodec:
+    """Stores one quantity (keys or values) of ``dim`` channels per slot."""
+
+    bits: int
+
+    def empty(self, name: str, slots: tuple[int, ...], dim: int, device: torch.device,
+              model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Zeroed buffers for ``name``: ``slots`` is ``(batch, heads, size)``."""
+        return {key: torch.zeros((*slots, last), dtype=dtype, device=device)
+                for key, (dtype, last) in self.layout(name, dim, model_dtype).items()}
+
+    def write(self, buffers: dict[str, torch.Tensor], name: str, start: int, end: int, x: torch.Tensor) -> None:
+        """Store ``x`` ``(batch, heads, end - start, dim)`` into slots ``start:end``."""
+        raise NotImplementedError
+
+    def read(self, held: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The stored quantity of the ``held`` slot views, as ``dtype``."""
+        raise NotImplementedError
+
+    def layout(self, name: str, dim: int, model_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
+        """Each buffer's dtype and last-dimension length, by buffer name."""
+        raise NotImplementedError
+
+
+class FloatCodec(SlotCodec):
+    """Slots stored as a float of ``bits`` bits; None keeps the model's own dtype."""
+
+    def __init__(self, bits: int | None) -> None:
+        self.bits = bits
+
+    def _dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.bits is None or model_dtype.itemsize * 8 == self.bits:
+            return model_dtype  # bfloat16 stays bfloat16 at 16 bits
+        return _FLOAT_OF_BITS[self.bits]
+
+    def write(self, buffers, name, start, end, x):
+        buffers[name][:, :, start:end] = x
+
+    def read(self, held, name, dtype):
+        return held[name].to(dtype)
+
+    def layout(self, name, dim, model_dtype):
+        return {name: (self._dtype(model_dtype), dim)}
+
+
+class GroupQuantCodec(SlotCodec):
+    """``bits``-bit codes (4-bit ones packed two to a byte), a float16 scale and minimum
+    per group of channels (``group``, or the largest divisor of the head dimension below
+    it). Error bound: every value read is within ``scale / 2`` of the value written
+    (``scale = (max - min) / (2**bits - 1)`` of its group, rounded up)."""
+
+    def __init__(self, bits: int, group: int = GROUP) -> None:
+        if bits not in (8, 4):
+            raise ValueError(f"quantized slots take 8 or 4 bits, not {bits}")
+        self.bits, self.group = bits, group
+        self.levels = 2**bits - 1
+
+    def group_size(self, dim: int) -> int:
+        """Channels per scale for a head dimension of ``dim``."""
+        if dim * self.bits % 8:
+            raise ValueError(f"a head dimension of {dim} does not pack into whole bytes at {self.bits} bits")
+        return math.gcd(dim, self.group)
+
+    def layout(self, name, dim, model_dtype):
+        groups = dim // self.group_size(dim)
+        return {name: (torch.uint8, dim * self.bits // 8), f"{name}_scale": (torch.float16, groups),
+                f"{name}_min": (torch.float16, groups)}
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``(..., dim)`` as (codes ``(..., dim * bits / 8)`` uint8, scale, min)."""
+        grouped = x.float().unflatten(-1, (-1, self.group_size(x.shape[-1]))).clamp(-_HALF_MAX, _HALF_MAX)
+        low = grouped.amin(dim=-1)
+        # float16 minimum rounded down and scale rounded up, so that every value of the
+        # group lies within min .. min + levels * scale and rounds to its nearest code.
+        minimum = low.half()
+        minimum = torch.where(minimum.float() > low, torch.nextafter(minimum, minimum.new_tensor(-_HALF_MAX)),
+                              minimum)
+        span = (grouped.amax(dim=-1) - minimum.float()) / self.levels
+        scale = span.half()
+        scale = torch.where(scale.float() < span, torch.nextafter(scale, scale.new_tensor(_HALF_MAX)), scale)
+        safe = scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
+        codes = ((grouped - minimum.float()[..., None]) / safe).round_().clamp_(0, self.levels)
+        codes = codes.to(torch.uint8).flatten(-2)
+        if self.bits == 4:
+            # Byte j holds channel j (low nibble) and channel j + dim/2 (high): decoding
+            # then writes two contiguous halves instead of interleaving.
+            half = codes.shape[-1] // 2
+            codes = codes[..., :half] | (codes[..., half:] << 4)
+        return codes, scale, minimum
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        if self.bits == 4:
+            values = torch.empty((*codes.shape[:-1], 2, codes.shape[-1]), dtype=torch.float32, device=codes.device)
+            values[..., 0, :] = codes & 15
+            values[..., 1, :] = codes >> 4
+            values = values.flatten(-2)
+        else:
+            values = codes.to(torch.float32)
+        # In place on the one float copy: this runs over every held slot at every step.
+        grouped = values.unflatten(-1, (scale.shape[-1], -1))
+        grouped.mul_(scale[..., None]).add_(minimum[..., None])
+        return values.to(dtype)
+
+    def write(self, buffers, name, start, end, x):
+        codes, scale, minimum = self.encode(x)
+        buffers[name][:, :, start:end] = codes
+        buffers[f"{name}_scale"][:, :, start:end] = scale
+        buffers[f"{name}_min"][:, :, start:end] = minimum
+
+    def read(self, held, name, dtype):
+        return self.decode(held[name], held[f"{name}_scale"], held[f"{name}_min"], dtype)
+
+
+def make_codec(bits: int | None) -> SlotCodec:
+    """The codec for ``bits`` (one of ``BITS``; None: the model's dtype)."""
+    if bits is not None and bits not in BITS:
+        raise ValueError(f"bits = {bits!r}: must be one of {', '.join(map(str, BITS))} or None")
+    return GroupQuantCodec(bits) if bits in (8, 4) else FloatCodec(bits)
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """Storage precision of a cache's keys and of its values (None: the model's dtype)."""
+
+    key_bits: int | None = None
+    value_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        make_codec(self.key_bits), make_codec(self.value_bits)  # refuse bad bits early
+
+    @property
+    def keys(self) -> SlotCodec:
+        return make_codec(self.key_bits)
+
+    @property
+    def values(self) -> SlotCodec:
+        return make_codec(self.value_bits)
+
+    def layout(self, head_dim: int, model_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
+        """Every key and value buffer's dtype and last-dimension length."""
+        return self.keys.layout("keys", head_dim, model_dtype) | self.values.layout("values", head_dim, model_dtype)
+
+    def slot_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
+        """Bytes one slot's key and value take, scales included."""
+        return sum(dtype.itemsize * last for dtype, last in self.layout(head_dim, model_dtype).values())
+
+    @property
+    def rotates_keys_in_place(self) -> bool:
+        """Whether rolling rotates stored keys in place: only where they are kept at
+        least as precise as the model's (float32 or its own dtype); narrower ones are
+        stored unrotated and rotated when read, so moving them adds no rounding."""
+        return self.key_bits in (None, 32)
+
+    def describe(self) -> dict[str, int]:
+        """The bits set, for settings and stats (the model's dtype when left out)."""
+        return {name: bits for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits))
+                if bits is not None}
