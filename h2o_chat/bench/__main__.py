@@ -2,7 +2,8 @@
 
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
-many conversations at once, batched or taking turns), or all. Each comparison runs in one process on the same inputs for every policy
+many conversations at once, batched or taking turns), bytes (8: quality at equal memory,
+storage precision and eviction), or all. Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
 
@@ -24,19 +25,20 @@ import torch
 
 from h2o_chat.loading import load_model
 
-from . import data, long_chat, report, rolling, serve, speed, streaming, xsum
+from . import data, equal_bytes, long_chat, report, rolling, serve, speed, streaming, xsum
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
 PRESETS = {
     "quick": dict(passages=2, budgets="0.2", tune_budgets="0.2", articles=10, contexts="512,1024,2048,4096",
                   decode_tokens=16, repeats=3, prefill_repeats=1, questions=20, max_new_tokens=16,
-                  tokens=10240, serve_configs="4x2048,8x2048,4x4096,8x4096", serve_turns=1),
+                  tokens=10240, serve_configs="4x2048,8x2048,4x4096,8x4096", serve_turns=1,
+                  byte_contexts="512,4096"),
     "full": dict(passages=4, budgets="0.1,0.2,0.5,64,128,256,512", tune_budgets="0.1,0.2", articles=100,
                  contexts="512,1024,2048,4096,8192", decode_tokens=64, repeats=5, prefill_repeats=2,
                  questions=80, max_new_tokens=64, tokens=16384,
                  serve_configs=",".join(f"{n}x{h}" for h in (512, 2048, 4096) for n in (1, 2, 4, 8)),
-                 serve_turns=2),
+                 serve_turns=2, byte_contexts="512,4096,8192"),
 }
 
 
@@ -82,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-rows", default="8,32",
                    help="serve: comma list of row counts whose decode step is timed with attention batched "
                         "over the rows and row by row ('': none)")
+    p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
+                   help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
+    p.add_argument("--byte-contexts", help="bytes: comma list of contexts whose decode speed is timed ('': none)")
     p.add_argument("--threads", type=int, help="torch threads (default: the app's, one per physical core)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.mode].items():
@@ -218,6 +223,12 @@ TABLE: dict[str, Comparison] = {
                             b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
                             [int(n) for n in b.args.attention_rows.split(",") if n], log=log),
         serve.plot, serve.markdown),
+    "bytes": _one_page(
+        "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
+        lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, [float(x) for x in b.args.shares.split(",")],
+                                  [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
+                                  b.args.repeats, log=log),
+        equal_bytes.plot, equal_bytes.markdown),
 }
 COMPARISONS = list(TABLE)
 

@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from h2o_chat.engine.build import make_cache
+from h2o_chat.engine.quant import KVStorage
 
 from .metrics import summarize, token_metrics
 from .variants import Variant, bench_cache, h2o_split, standard_variants
@@ -93,7 +94,7 @@ def budget_slots(budget: float | int, length: int) -> int:
     return max(1, int(round(budget * length))) if budget < 1 else int(budget)
 
 
-def _records(label, kind, budget_name, slots, passages, nll, agree, kl, phase, variant=None):
+def passage_records(label, kind, budget_name, slots, passages, nll, agree, kl, phase, variant=None):
     """Per-passage and per-source records of one variant's rows."""
     records = []
     sources = sorted({p.source for p in passages})
@@ -112,21 +113,26 @@ def _records(label, kind, budget_name, slots, passages, nll, agree, kl, phase, v
     return records
 
 
+def phase_pass(model, cache, ids, ref, *, phase: str, prefill: int, stream_len: int, chunk: int, progress=None):
+    """Per-token nll, agreement and KL of ``cache`` (one row per row of ``ids``) in ``phase``."""
+    if phase == "streaming":
+        return stream_pass(model, cache, ids[:, :stream_len], ref[:, :stream_len], prefill, progress=progress)
+    return continue_pass(model, cache, ids, ref, stream_len, chunk)
+
+
 def run_budget(model, ids, ref, passages, variants: list[Variant], budget_name, slots, *,
-               phase: str, prefill: int, stream_len: int, chunk: int, log=print) -> list[dict]:
-    """One batched pass of every variant in ``variants`` (same capacity) over the passages."""
+               phase: str, prefill: int, stream_len: int, chunk: int, storage: KVStorage = KVStorage(),
+               log=print) -> list[dict]:
+    """One batched pass of every variant in ``variants`` (same capacity) over the passages,
+    their slots stored at ``storage``'s precision."""
     n = ids.shape[0]
     # Policy-major: rows k*n .. (k+1)*n - 1 are the n passages under variant k.
     rows_ids = ids.repeat(len(variants), 1)
-    cache = bench_cache(model, variants, rows=n)
+    cache = bench_cache(model, variants, rows=n, storage=storage)
     started = time.perf_counter()
-    if phase == "streaming":
-        nll, agree, kl = stream_pass(
-            model, cache, rows_ids[:, :stream_len], ref[:, :stream_len], prefill,
-            progress=lambda t, L: log(f"    token {t}/{L}  {time.perf_counter() - started:.0f}s"),
-        )
-    else:
-        nll, agree, kl = continue_pass(model, cache, rows_ids, ref, stream_len, chunk)
+    nll, agree, kl = phase_pass(model, cache, rows_ids, ref, phase=phase, prefill=prefill, stream_len=stream_len,
+                                chunk=chunk,
+                                progress=lambda t, L: log(f"    token {t}/{L}  {time.perf_counter() - started:.0f}s"))
     stats = cache.stats()
     assert stats.held <= slots and all(layer.held <= slots for layer in stats.layers), "budget exceeded"
     seconds = time.perf_counter() - started
@@ -134,10 +140,11 @@ def run_budget(model, ids, ref, passages, variants: list[Variant], budget_name, 
     records = []
     for k, variant in enumerate(variants):
         rows = slice(k * n, (k + 1) * n)
-        records += _records(variant.label, variant.kind, budget_name, slots, passages,
-                            nll[rows], agree[rows], kl[rows], phase, variant)
+        records += passage_records(variant.label, variant.kind, budget_name, slots, passages,
+                                   nll[rows], agree[rows], kl[rows], phase, variant)
     for rec in records:
         rec["held_at_end"] = stats.held
+        rec["held_bytes_per_row"] = stats.held_bytes // rows_ids.shape[0]
         rec["seconds_batch"] = seconds
     return records
 
@@ -149,7 +156,7 @@ def full_records(ids, ref, passages, *, phase, stream_len):
     else:
         logits, targets, r = ref[:, stream_len - 1 : -1], ids[:, stream_len:], ref[:, stream_len - 1 : -1]
     nll, agree, kl = token_metrics(logits, targets, r)
-    return _records("full", "full", "full", None, passages, nll, agree, kl, phase)
+    return passage_records("full", "full", "full", None, passages, nll, agree, kl, phase)
 
 
 def run_quality(model, tokenizer, passages, budgets, *, phases=("streaming", "continuation"),

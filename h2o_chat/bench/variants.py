@@ -27,6 +27,7 @@ from h2o_chat.config import POLICIES, check_field
 from h2o_chat.engine.build import cache_for_policy
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import EvictionPolicy, H2OPolicy, make_policy
+from h2o_chat.engine.quant import KVStorage
 
 EVICTING = tuple(name for name in POLICIES if name != "full")  # the kinds a variant may be
 
@@ -151,7 +152,8 @@ class MixedPolicy(EvictionPolicy):
         return {"policy": self.name, "rows": self.rows, "variants": [v.label for v in self.variants]}
 
 
-def bench_cache(model, variants: list[Variant], rows: int = 1, rolling: bool = False) -> H2OCache:
+def bench_cache(model, variants: list[Variant], rows: int = 1, rolling: bool = False,
+                storage: KVStorage = KVStorage()) -> H2OCache:
     """A cache for ``model`` whose row block k follows ``variants[k]`` (``rows`` rows each);
-    ``rolling`` as in ``make_cache``."""
-    return cache_for_policy(model, MixedPolicy(variants, rows), rolling)
+    ``rolling`` and ``storage`` as in ``make_cache``."""
+    return cache_for_policy(model, MixedPolicy(variants, rows), rolling, storage)

@@ -17,14 +17,19 @@ from .quant import KVStorage
 from .slots import ROLLING_METADATA, SLOT_METADATA
 
 
-def token_bytes(model: torch.nn.Module, storage: KVStorage, rolling: bool) -> int:
-    """Bytes one token takes in every layer and KV head of ``model``'s cache."""
+def cache_geometry(model: torch.nn.Module) -> tuple[int, int]:
+    """Slots one token takes (layers x KV heads) and the length of one slot's key."""
     config = model.config.get_text_config(decoder=True)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * kv_heads, head_dim
+
+
+def token_bytes(model: torch.nn.Module, storage: KVStorage, rolling: bool) -> int:
+    """Bytes one token takes in every layer and KV head of ``model``'s cache."""
+    slots, head_dim = cache_geometry(model)
     metadata = SLOT_METADATA | (ROLLING_METADATA if rolling else {})
-    per_slot = storage.slot_bytes(head_dim, model.dtype) + sum(dtype.itemsize for dtype in metadata.values())
-    return config.num_hidden_layers * kv_heads * per_slot
+    return slots * (storage.slot_bytes(head_dim, model.dtype) + sum(dtype.itemsize for dtype in metadata.values()))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,223 @@
+"""Comparison 8: quality at equal memory, storage precision and eviction under one budget.
+
+Each cache gets a share of the bytes the plain full cache takes for the same passage
+(float32 K and V of every token and nothing else, what a cache without eviction holds).
+The share buys ``bytes // token_bytes`` slots at the cache's precision, scales and
+bookkeeping counted, as the app's ``cache.budget_mb`` does, and h2o splits them as the app
+does (``split_slots``). Precision trades bytes per slot for slots: at one share a K8/V4
+h2o holds four times the tokens of a float32 one.
+
+Rows: the full cache stored at lower precision (quantization only, what llama.cpp and
+Ollama users get), then at each share h2o at every precision and the sink window
+(StreamingLLM) at float32 and K8/V4. Passages, reference and metrics are those of
+comparisons 1 (streaming, one token at a time) and 2 (chunked prefill, then the next
+tokens); the variants of one precision and share run as row blocks of one batch, each row
+evicted exactly as alone. Decode speed: float32 and K8/V4 h2o with the same slots (what
+the K8/V4 cache holds at 5% of the bytes) and the float32 full cache, timed runs
+alternating in one process (comparison 4's method).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+import os
+import statistics
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from h2o_chat.config import CacheConfig
+from h2o_chat.engine.budget import cache_geometry, split_slots, token_bytes
+from h2o_chat.engine.build import cache_for_policy
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.policies import FullPolicy, make_policy
+from h2o_chat.engine.quant import KVStorage
+
+from . import data
+from .report import md_table
+from .speed import decode, prefill
+from .streaming import full_records, passage_records, phase_pass, reference_logprobs, run_budget
+from .variants import Variant
+
+PRECISIONS: dict[str, KVStorage] = {
+    "float32": KVStorage(32, 32), "fp16": KVStorage(16, 16), "K8/V8": KVStorage(8, 8),
+    "K8/V4": KVStorage(8, 4), "K4/V4": KVStorage(4, 4),
+}
+QUANTIZE_ONLY = ("fp16", "K8/V8", "K8/V4", "K4/V4")
+SINK_PRECISIONS = ("float32", "K8/V4")
+SINK = 4
+SPEED_SHARE = 0.05  # the decode timing's slots: what K8/V4 holds at this share of the bytes
+
+
+def plain_token_bytes(model) -> int:
+    """Bytes the plain full cache holds per token: float32 K and V in every layer and KV head."""
+    slots, head_dim = cache_geometry(model)
+    return slots * PRECISIONS["float32"].slot_bytes(head_dim, torch.float32)
+
+
+def share_slots(model, share: float, tokens: int, storage: KVStorage) -> int:
+    """Slots that ``share`` of the plain full cache's bytes for ``tokens`` tokens buy."""
+    return min(tokens, int(share * tokens * plain_token_bytes(model)) // token_bytes(model, storage, rolling=False))
+
+
+def share_variants(slots: int, precision: str) -> list[Variant]:
+    """h2o split as the app splits a byte budget, and at some precisions the sink window."""
+    variants = [Variant(f"h2o {precision}", "h2o", **split_slots("h2o", slots, SINK))]
+    if precision in SINK_PRECISIONS and slots > SINK:
+        variants.append(Variant(f"sink {precision}", "sink", **split_slots("sink", slots, SINK)))
+    return variants
+
+
+def _share_name(share: float) -> str:
+    return f"{share:.1%}".replace(".0%", "%")
+
+
+def measure_quality(model, passages, shares: list[float], *, phases=("streaming", "continuation"),
+                    prefill: int = 16, stream_len: int = 1536, chunk: int = 256, log=print) -> list[dict]:
+    """Every cache's records (``streaming.passage_records`` plus share, precision and the
+    bytes a row held at the end) over ``passages`` in each phase."""
+    ids = torch.tensor([p.ids for p in passages])
+    rows = ids.shape[0]
+    log(f"  reference: full cache over {rows} passages x {ids.shape[1]} tokens")
+    ref = reference_logprobs(model, ids)
+    records = []
+    for phase in phases:
+        # Shares are of the bytes the plain full cache takes for the context the budget is for.
+        plain = plain_token_bytes(model) * stream_len
+        found = [r | {"precision": "float32", "share": 1.0, "held_bytes_per_row": plain}
+                 for r in full_records(ids, ref, passages, phase=phase, stream_len=stream_len)]
+        for precision in QUANTIZE_ONLY:
+            started = time.perf_counter()
+            cache = cache_for_policy(model, FullPolicy(), storage=PRECISIONS[precision])
+            nll, agree, kl = phase_pass(model, cache, ids, ref, phase=phase, prefill=prefill,
+                                        stream_len=stream_len, chunk=chunk)
+            stats = cache.stats()
+            held = stats.held_bytes // rows
+            log(f"  {phase} full {precision}: {time.perf_counter() - started:.0f}s")
+            share = held / (plain_token_bytes(model) * stats.seen)
+            found += [r | {"precision": precision, "share": share, "held_bytes_per_row": held}
+                      for r in passage_records(f"full {precision}", "full", "full", None, passages,
+                                               nll, agree, kl, phase)]
+        for share in shares:
+            for precision, storage in PRECISIONS.items():
+                slots = share_slots(model, share, stream_len, storage)
+                found += [r | {"precision": precision, "share": r["held_bytes_per_row"] / plain}
+                          for r in run_budget(model, ids, ref, passages, share_variants(slots, precision),
+                                              _share_name(share), slots, phase=phase, prefill=min(prefill, slots),
+                                              stream_len=stream_len, chunk=chunk, storage=storage, log=log)]
+        records += found
+    return records
+
+
+def speed_configs(model, context: int) -> list[tuple[str, int | None, Callable[[], H2OCache]]]:
+    """Float32 full, and float32 and K8/V4 h2o at the slots K8/V4 holds at SPEED_SHARE."""
+    slots = share_slots(model, SPEED_SHARE, context, PRECISIONS["K8/V4"])
+
+    def h2o(precision: str):
+        return lambda: cache_for_policy(model, make_policy("h2o", **split_slots("h2o", slots, SINK)),
+                                        storage=PRECISIONS[precision])
+
+    return [("full float32", None, lambda: cache_for_policy(model, FullPolicy())),
+            ("h2o float32", slots, h2o("float32")), ("h2o K8/V4", slots, h2o("K8/V4"))]
+
+
+def measure_speed(model, tokenizer, contexts: list[int], decode_tokens: int, repeats: int, log=print) -> list[dict]:
+    """Median decode tokens/s of each speed config at each context, runs alternating."""
+    chunk = CacheConfig().prefill_chunk_size
+    text = data.read_text(data.BOOK)
+    book = tokenizer(text[: 8 * max(contexts)], add_special_tokens=False).input_ids
+    rows = []
+    for context in contexts:
+        ids = torch.tensor([book[:context]])
+        configs = speed_configs(model, context)
+        prefilled = {}
+        for name, _, make in configs:
+            cache = make()
+            prefilled[name] = (cache, prefill(model, cache, ids, chunk))
+        runs = {name: [] for name, *_ in configs}
+        for rep in range(repeats):
+            for name, _, _ in configs[rep % len(configs):] + configs[: rep % len(configs)]:
+                cache, logits = prefilled[name]
+                runs[name].append(decode_tokens / decode(model, copy.deepcopy(cache), logits, decode_tokens))
+        for name, slots, _ in configs:
+            rows.append({"context": context, "config": name, "slots": slots,
+                         "held_bytes": prefilled[name][0].stats().held_bytes,
+                         "decode_tok_s": statistics.median(runs[name]), "runs_tok_s": runs[name]})
+        log(f"  speed {context}: " + ", ".join(f"{r['config']} {r['decode_tok_s']:.1f} tok/s"
+                                               for r in rows if r["context"] == context))
+        del prefilled
+    return rows
+
+
+def run(model, tokenizer, passages_per_source: int, shares: list[float], contexts: list[int],
+        decode_tokens: int, repeats: int, phases=("streaming", "continuation"), log=print) -> dict:
+    passages = data.passages(tokenizer, passages_per_source, 1536 + 200)
+    started_load = os.getloadavg()[0]
+    records = measure_quality(model, passages, shares, phases=phases, log=log)
+    speed = measure_speed(model, tokenizer, contexts, decode_tokens, repeats, log=log) if contexts else []
+    notes = [f"Plain full cache: {plain_token_bytes(model):,} bytes a token (float32 K and V, "
+             f"{cache_geometry(model)[0]} slots of head dim {cache_geometry(model)[1]}); each share is of that, "
+             "a row's bytes are what its cache reported holding at the end (scales and bookkeeping included).",
+             f"Load average (1 min) at the start {started_load:.2f}, at the end {os.getloadavg()[0]:.2f}."]
+    return {"records": records, "speed": speed, "notes": notes,
+            "config": {"passages": [{"source": p.source, "title": p.title, "tokens": len(p.ids)} for p in passages],
+                       "shares": shares, "contexts": contexts, "decode_tokens": decode_tokens,
+                       "repeats": repeats, "phases": list(phases), "sink": SINK}}
+
+
+def _pooled(records: list[dict], phase: str, source: str) -> dict[tuple[str, str], dict]:
+    """(share name, cache label) -> the pooled record of ``source`` in ``phase``."""
+    return {(r["budget"], r["policy"]): r for r in records
+            if r["phase"] == phase and r["set"] == source and not r["per_passage"]}
+
+
+def ratio(records: list[dict], phase: str, source: str, budget: str, label: str) -> float | None:
+    table = _pooled(records, phase, source)
+    row, full = table.get((budget, label)), table.get(("full", "full"))
+    return None if row is None or full is None else row["ppl"] / full["ppl"]
+
+
+def markdown(result: dict) -> str:
+    records, blocks = result["records"], []
+    for phase in result["config"]["phases"]:
+        table = {source: _pooled(records, phase, source) for source in ("wikitext2", "book", "all")}
+        header = ["share of bytes", "cache", "slots", "bytes held (share)", "ppl vs full: wikitext2", "book",
+                  "all", "top-1 agree", "KL(full‖cache)"]
+        rows = []
+        for (budget, label), r in table["all"].items():
+            rows.append([budget, label, r["slots"] or "all", f"{r['held_bytes_per_row'] / 2**20:.2f} MB "
+                         f"({r['share']:.1%})"]
+                        + [f"{ratio(records, phase, s, budget, label):.3f}×" for s in ("wikitext2", "book", "all")]
+                        + [f"{r['top1']:.1%}", f"{r['kl']:.4f}"])
+        full = table["all"][("full", "full")]["ppl"]
+        blocks.append(f"**{phase}** (full cache perplexity {full:.2f})\n\n" + md_table(header, rows))
+    if result["speed"]:
+        rows = []
+        for r in result["speed"]:
+            same = {s["config"]: s for s in result["speed"] if s["context"] == r["context"]}
+            rows.append([r["context"], r["config"], r["slots"] or "all", f"{r['held_bytes'] / 2**20:.2f} MB",
+                         f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / same['full float32']['decode_tok_s']:.2f}×",
+                         f"{r['decode_tok_s'] / same['h2o float32']['decode_tok_s']:.2f}×"])
+        blocks.append("**decode speed** (median of alternating runs)\n\n" + md_table(
+            ["context", "cache", "slots", "bytes held", "tok/s", "vs full float32", "vs h2o float32"], rows))
+    return "\n\n".join(blocks)
+
+
+def plot(result: dict, path) -> None:
+    phases = result["config"]["phases"]
+    fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        table = _pooled(result["records"], phase, "all")
+        full = table[("full", "full")]["ppl"]
+        for label in dict.fromkeys(lbl for _, lbl in table if lbl != "full"):
+            points = sorted((r["share"], r["ppl"] / full) for (_, lbl), r in table.items() if lbl == label)
+            ax.plot(*zip(*points), "o-" if label.startswith(("h2o", "sink")) else "s", label=label)
+        ax.axhline(1, color="black", ls="--", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="share of the full cache's bytes", ylabel="perplexity / full",
+               title=phase)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
