@@ -79,9 +79,11 @@ def _share_name(share: float) -> str:
 
 
 def measure_quality(model, passages, shares: list[float], *, phases=("streaming", "continuation"),
-                    prefill: int = 16, stream_len: int = 1536, chunk: int = 256, log=print) -> list[dict]:
+                    prefill: int = 16, stream_len: int = 1536, chunk: int = 256, baselines: bool = True,
+                    log=print) -> list[dict]:
     """Every cache's records (``streaming.passage_records`` plus share, precision and the
-    bytes a row held at the end) over ``passages`` in each phase."""
+    bytes a row held at the end) over ``passages`` in each phase; ``baselines``: the full
+    cache at each lower precision too (shares of one run may go to processes of their own)."""
     ids = torch.tensor([p.ids for p in passages])
     rows = ids.shape[0]
     log(f"  reference: full cache over {rows} passages x {ids.shape[1]} tokens")
@@ -92,7 +94,7 @@ def measure_quality(model, passages, shares: list[float], *, phases=("streaming"
         plain = plain_token_bytes(model) * stream_len
         found = [r | {"precision": "float32", "share": 1.0, "held_bytes_per_row": plain}
                  for r in full_records(ids, ref, passages, phase=phase, stream_len=stream_len)]
-        for precision in QUANTIZE_ONLY:
+        for precision in QUANTIZE_ONLY if baselines else ():
             started = time.perf_counter()
             cache = cache_for_policy(model, FullPolicy(), storage=PRECISIONS[precision])
             nll, agree, kl = phase_pass(model, cache, ids, ref, phase=phase, prefill=prefill,
