@@ -274,3 +274,11 @@ def test_a_byte_budget_at_8_and_4_bits_shows_in_the_ledger_and_replies_as_the_py
     slots = 1_000_000 // token_bytes(model, KVStorage(8, 4), rolling=False)
     assert h2o["evicted"] > 0 and h2o["slots_held"] == h2o["budget"] == slots
     assert h2o["held_bytes"] == reference.stats().cache.held_bytes <= 1_000_000
+
+
+@pytest.mark.parametrize("seed", [10**18, 2**63 - 1])
+def test_nineteen_digit_seeds_are_taken_and_reproduce_the_reply(url, seed):
+    sampled = dict(temperature=1.0, max_tokens=12, seed=seed)
+    first, _ = ask(url, [{"role": "user", "content": "Invent a name for a boat."}], **sampled)
+    again, _ = ask(url, [{"role": "user", "content": "Invent a name for a boat."}], **sampled)
+    assert first.choices[0].message.content == again.choices[0].message.content != ""

@@ -43,6 +43,10 @@ def refusal(url, status, **request):
      "max_completion_tokens = 40000: must be an integer from 1 to 32768"),
     ({"temperature": "hot"}, "temperature", "temperature = 'hot': expected float, got str"),
     ({"seed": -1}, "seed", "seed = -1: must be an integer from 0 to 9223372036854775807, or null"),
+    ({"seed": 2**63}, "seed", "seed = 9223372036854775808: must be an integer from 0 to 9223372036854775807, "
+                              "or null"),
+    ({"seed": 10**20}, "seed", "seed = <a 21-digit number>: must be an integer from 0 to 9223372036854775807, "
+                               "or null"),
     ({"n": 2}, "n", "n = 2: must be 1 (one choice per request)"),
     ({"stop": ["a"] * 17}, "stop", "stop must be a string or an array of at most 16 strings"),
     ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
@@ -89,6 +93,18 @@ def test_malformed_bodies_get_400_and_the_server_stays_up(url):
         response = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["message"].startswith(expected)
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_refused_pin_names_the_clients_own_message(url):
+    """Without a system message the server puts its own first; the refusal still counts
+    the client's messages."""
+    said = "Remember the code word lantern."
+    body = refusal(url, 400, messages=[{"role": "user", "content": said, "pin": True},
+                                       {"role": "assistant", "content": said, "pin": True},
+                                       {"role": "user", "content": "What is it?"}])
+    assert body["param"] == "messages[1].pin"
+    assert body["message"].startswith("messages[1].pin: 'Remember the code word lantern.' (tokens ")
+    assert body["message"].endswith("is already pinned")
 
 
 def test_a_bad_session_id_gets_400(url):

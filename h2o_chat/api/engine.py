@@ -206,13 +206,13 @@ class Engine:
             prefill_chunk_size=cache.prefill_chunk_size,
             history=[{"role": m.role, "content": m.content} for m in turns],
             limits=InputLimits.of(self.config.server))
-        for index, message in enumerate(turns, start=len(history) - len(turns)):
+        for message in turns:
             if message.pin:
                 try:
                     session.pin(message.content)  # not fed yet: nothing evicted, so it holds
                 except ValueError as err:
-                    raise APIError(400, f"messages[{index}].pin: {err}", param=f"messages[{index}].pin",
-                                   code="invalid_value") from None
+                    where = f"messages[{message.index}].pin"
+                    raise APIError(400, f"{where}: {err}", param=where, code="invalid_value") from None
         return session
 
     def _count(self, before: SessionStats, after: SessionStats) -> None:

@@ -9,7 +9,7 @@ the page accept the same values.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field
@@ -38,6 +38,9 @@ class Message:
     role: str  # system | user | assistant
     content: str
     pin: bool = False  # ours: keep this message's tokens out of eviction
+    # Where the client put it in ``messages`` (None: the server's system prompt), for
+    # refusals that name it; not part of what the message is.
+    index: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ def _message(index: int, item: Any, limits: InputLimits) -> Message:
         check_system_prompt(content, limits, f"{where}.content")
     else:
         check_text(content, f"{where}.content", limits.message_chars, limits.setting("message_chars"))
-    return Message(role, content, _bool(item, "pin", False, f"{where}."))
+    return Message(role, content, _bool(item, "pin", False, f"{where}."), index)
 
 
 def _content(where: str, value: Any) -> str:

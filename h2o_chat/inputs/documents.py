@@ -32,7 +32,8 @@ class _HugeNumber:
 
 
 def _integer(text: str) -> int | _HugeNumber:
-    return int(text) if len(text) <= 18 else _HugeNumber(len(text))
+    # 20 characters hold every 64-bit integer with its sign (seeds go up to 2**63 - 1).
+    return int(text) if len(text) <= 20 else _HugeNumber(len(text))
 
 
 def _no_constant(name: str) -> None:
