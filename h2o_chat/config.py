@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -106,6 +107,13 @@ class ServerConfig:
     api_max_queued: int = 32
     # Largest API request body read, in megabytes (JSON is parsed whole, in memory).
     api_max_request_mb: int = 8
+    # Web pages on other origins allowed to use the server, as a comma list of origins
+    # ("http://localhost:3000, https://chat.example"; "*": any). Every other page's
+    # requests are refused, so no site the user visits can drive a local server.
+    allowed_origins: str = ""
+    # Host names besides host, localhost and IP addresses that the server answers to (a
+    # comma list), e.g. the machine's name on the network with a non-loopback host.
+    allowed_hosts: str = ""
 
 
 @dataclass
@@ -192,6 +200,12 @@ _RULES: dict[str, _Rule] = {
     "server.api_max_conversations": _int_between(1, 1024),
     "server.api_max_queued": _int_between(0, 4096),
     "server.api_max_request_mb": _int_between(1, 1024),
+    "server.allowed_origins": _Rule(
+        lambda v: all(re.fullmatch(r"\*|https?://[^/\s,*]+", o.strip()) for o in v.split(",") if o.strip()),
+        "must be a comma list of origins such as http://localhost:3000 (scheme://host[:port]), or *"),
+    "server.allowed_hosts": _Rule(
+        lambda v: all(re.fullmatch(r"[A-Za-z0-9.\-]+", h.strip()) for h in v.split(",") if h.strip()),
+        "must be a comma list of host names such as mybox.local (letters, digits, dots and dashes)"),
 }
 
 # Environment variables that override config fields (secrets stay out of files).

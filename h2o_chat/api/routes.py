@@ -22,6 +22,7 @@ from h2o_chat.scheduler import scheduler_for
 from .conversations import ConversationStore, check_session_id
 from .engine import Delta, Engine, Finished, Turn
 from .errors import APIError
+from .origins import OriginGuard
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
 from .schema import ChatRequest, parse_chat_request, short
@@ -45,6 +46,8 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     started = int(time.time())
     # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
+    # Outermost: the page mounted on this app later is behind the same checks.
+    api.add_middleware(OriginGuard, server=server)
 
     def count(request: Request, status: int) -> None:
         # By route template, not path: clients must not be able to add label values.
@@ -135,6 +138,13 @@ async def _read_json(request: Request, max_bytes: int, limits: InputLimits) -> A
     if it holds no more JSON values than a conversation within ``limits`` needs."""
     too_large = APIError(413, f"request body over the API's limit of {max_bytes // 2**20} MB "
                               "(server.api_max_request_mb)", code="request_too_large")
+    kind = request.headers.get("content-type")
+    # A body a browser page may send without asking first (text/plain, a form) is not an
+    # API request; clients that send none are taken as JSON, as curl's users expect.
+    if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type {kind[:100]!r}: the request body must be JSON, sent with "
+                            "'Content-Type: application/json'", param="Content-Type",
+                       code="unsupported_media_type")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise too_large

@@ -1,0 +1,107 @@
+"""Who may talk to the server: the Host it answers to and the web pages it serves.
+
+A local server without a key is only safe if the browser one reads the web with cannot
+use it. Two checks, for every route (API and page alike), before anything runs:
+
+- **Host**: a page on a hostname that resolves to 127.0.0.1 (DNS rebinding) reaches the
+  server as same-origin, but its requests name that hostname in ``Host``. Only the
+  configured host, the loopback names, IP literals (a rebinding needs a name) and
+  ``server.allowed_hosts`` pass; with ``server.share``, Gradio's share domain too.
+- **Origin**: a page on another origin can send "simple" requests (a form POST, a
+  ``text/plain`` fetch) without a CORS preflight. Requests whose ``Origin`` is not the
+  server's own (or ``Sec-Fetch-Site: cross-site`` without one) are refused unless the
+  origin is in ``server.allowed_origins``. A link followed to the page (a top-level GET
+  navigation) still opens it: a navigation reads nothing back and acts on nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from h2o_chat.config import ServerConfig
+
+from .errors import APIError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+SHARE_DOMAIN = ".gradio.live"  # where Gradio's share tunnel serves the page from
+
+
+def listed(text: str) -> list[str]:
+    """The items of a comma list setting, stripped, empty ones left out."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+class OriginGuard:
+    """ASGI middleware refusing (403, OpenAI's error shape) requests from a Host the
+    server does not answer to or from a foreign web page."""
+
+    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
+        self.app = app
+        self.hosts = {name.lower() for name in (server.host, *LOOPBACK_NAMES, *listed(server.allowed_hosts))}
+        self.share = server.share
+        self.origins = {origin.rstrip("/").lower() for origin in listed(server.allowed_origins)}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                if scope["type"] == "http":
+                    await refusal.response()(scope, receive, send)
+                else:  # a websocket handshake refused before it is accepted
+                    await send({"type": "websocket.close", "code": 1008})
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> APIError | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        host = headers.get("host", "")
+        if not self.host_allowed(host):
+            return APIError(403, f"Host {host[:100]!r} is not a name this server answers to: add it to "
+                                 "server.allowed_hosts to reach the server by that name",
+                            param="Host", code="forbidden_host")
+        origin = headers.get("origin")
+        if origin is not None:
+            if self.origin_allowed(origin, host):
+                return None
+            return APIError(403, f"requests from the web page at {origin[:100]!r} are refused: add that "
+                                 "origin to server.allowed_origins to let its pages use this server",
+                            param="Origin", code="forbidden_origin")
+        navigation = headers.get("sec-fetch-mode") == "navigate" and scope.get("method") in ("GET", "HEAD")
+        if headers.get("sec-fetch-site") == "cross-site" and not navigation and "*" not in self.origins:
+            return APIError(403, "cross-site requests are refused: send them from the server's own page "
+                                 "or from an origin in server.allowed_origins",
+                            param="Sec-Fetch-Site", code="forbidden_origin")
+        return None
+
+    def host_allowed(self, host: str) -> bool:
+        name = _hostname(host)
+        if name is None:
+            return False
+        if name in self.hosts or (self.share and name.endswith(SHARE_DOMAIN)):
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+    def origin_allowed(self, origin: str, host: str) -> bool:
+        origin = origin.rstrip("/").lower()
+        if "*" in self.origins or origin in self.origins:
+            return True
+        parts = urlsplit(origin)
+        # The server's own pages: the origin names the host (and port) the request went to.
+        return parts.scheme in ("http", "https") and parts.netloc == host.lower()
+
+
+def _hostname(host: str) -> str | None:
+    """The name in a Host header without its port (``[::1]:7860`` -> ``::1``); None if
+    it is not one."""
+    try:
+        name = urlsplit(f"//{host}").hostname
+    except ValueError:
+        return None
+    return name.lower() if name else None
