@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 from playwright.sync_api import Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -33,44 +34,77 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# uvicorn's words when the port was taken between free_port() and the app's bind.
+PORT_TAKEN = "address already in use"
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on ``port``: while the app imports, another
+    program (a test beside it, another user's) may take its port, and must not be taken
+    for the app."""
+    try:
+        return any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+                   for conn in psutil.Process(pid).net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
 @contextmanager
 def running_app(*args: str, timeout: float = 120, log_path: Path | None = None,
-                env: dict[str, str] | None = None) -> Iterator[str]:
+                env: dict[str, str] | None = None, attempts: int = 3) -> Iterator[str]:
     """Start ``app.py`` on a free port with ``args`` (and ``env`` added to its
-    environment); yield its URL once it answers; stop it at the end. Its output goes to a
-    log that a failure to start shows, kept at ``log_path`` if given (for tests that read
-    what the server printed)."""
-    port = free_port()
-    log = (open(log_path, "w+") if log_path else
-           tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
+    environment); yield its URL once it listens there and answers; stop it at the end. A
+    port taken before the app could bind it costs a new start on another port, up to
+    ``attempts`` starts. Its output goes to a log that a failure to start shows, kept at
+    ``log_path`` if given (for tests that read what the server printed)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
-                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the app exited with {process.returncode}:\n{Path(log.name).read_text()}")
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        log = (open(log_path, "w+") if log_path else
+               tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
+        process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}/"
+        try:
+            if _answers(process, port, url, timeout, Path(log.name), retry=attempt < attempts):
+                yield url
+                return
+        finally:
+            _stop(process)
+            log.close()
+            if not log_path:
+                os.unlink(log.name)
+
+
+def _answers(process: subprocess.Popen, port: int, url: str, timeout: float, log: Path,
+             retry: bool) -> bool:
+    """Wait until the app ``process`` listens on ``port`` and ``url`` answers: True; False
+    if it exited because the port was taken and ``retry``; raise otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            output = log.read_text()
+            if retry and PORT_TAKEN in output.lower():
+                return False
+            raise RuntimeError(f"the app exited with {process.returncode}:\n{output}")
+        if listens_on(process.pid, port):
             try:
                 with urllib.request.urlopen(url, timeout=2):
-                    break
+                    return True
             except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the app did not answer within {timeout} s:\n"
-                                       f"{Path(log.name).read_text()}") from None
-                time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        if not log_path:
-            os.unlink(log.name)
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not answer within {timeout} s:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
