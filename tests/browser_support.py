@@ -17,11 +17,13 @@ from pathlib import Path
 
 import psutil
 from playwright.sync_api import Page, expect
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 DONE_TIMEOUT_MS = 120_000
+# What the page shows waits behind decoding, which on a busy 2-core machine takes far
+# longer than Playwright's default 5 s for each expect().
+expect.set_options(timeout=30_000)
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -164,14 +166,53 @@ def configure(page: Page, **numbers: float) -> None:
         set_number(page, name.replace("_", "-"), value)
 
 
+# Records, from the moment it is installed, whether any element took Gradio's
+# ``.generating`` mark (outputs of a pending or running event wear it): a short event can
+# gain and lose it between two looks, so every class change and added or removed node is
+# examined, with the class it had before.
+_WATCH_GENERATING = """() => {
+  const state = {started: false};
+  const marked = node => node.nodeType === 1 &&
+      (node.classList.contains('generating') || node.querySelector('.generating') !== null);
+  const observer = new MutationObserver(records => {
+    if (records.some(r => (r.oldValue || '').split(/\\s+/).includes('generating') || marked(r.target)
+                          || [...r.addedNodes, ...r.removedNodes].some(marked))) {
+      state.started = true;
+      observer.disconnect();
+    }
+  });
+  observer.observe(document.body, {subtree: true, childList: true, attributes: true,
+                                   attributeFilter: ['class'], attributeOldValue: true});
+  return state;
+}"""
+
+
 def start_and_wait(page: Page, click: str) -> None:
-    """Click ``click`` and wait until the event it starts has finished streaming."""
+    """Click ``click`` and wait until the event it starts has finished streaming: its
+    outputs were marked as generating, and no longer are."""
+    started = page.evaluate_handle(_WATCH_GENERATING)
     page.click(click)
-    try:  # Gradio marks the outputs of a running event with .generating
-        page.wait_for_selector(".generating", timeout=10_000)
-    except PlaywrightTimeout:
-        pass  # already over
-    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+    page.wait_for_function("state => state.started && !document.querySelector('.generating')",
+                           arg=started, timeout=DONE_TIMEOUT_MS)
+    started.dispose()
+
+
+def settled_box(page: Page, selector: str) -> dict[str, float]:
+    """The bounding box of the element ``selector`` once it is visible and the layout has
+    settled: the same in two animation frames in a row, web fonts loaded."""
+    expect(page.locator(selector)).to_be_visible()
+    return page.locator(selector).evaluate("""async element => {
+      await document.fonts.ready;
+      const frame = () => new Promise(resolve => requestAnimationFrame(resolve));
+      let before = '';
+      for (;;) {
+        await frame();
+        const r = element.getBoundingClientRect();
+        const now = [r.x, r.y, r.width, r.height].join();
+        if (now === before) return {x: r.x, y: r.y, width: r.width, height: r.height};
+        before = now;
+      }
+    }""")
 
 
 def send(page: Page, box: str, button: str, text: str) -> None:

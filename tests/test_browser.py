@@ -3,9 +3,6 @@ driven through Debian's chromium with Playwright."""
 
 from __future__ import annotations
 
-import time
-
-
 from .browser_support import (
     DONE_TIMEOUT_MS, configure, gauge, messages, open_app, open_tab, send,
     set_number, start_and_wait,
@@ -26,7 +23,9 @@ def test_chat_reply_streams_and_the_token_counter_moves(page):
     page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
     while page.locator(".generating").count():
         lengths.append(len("".join(messages(page, "chatbot", "bot"))))
-        time.sleep(0.05)
+        page.wait_for_function(  # the next sample: once the reply grew or the stream ended
+            "n => !document.querySelector('.generating') || [...document.querySelectorAll("
+            "'#chatbot [data-testid=bot]')].map(e => e.innerText).join('').length !== n", arg=lengths[-1])
     reply = messages(page, "chatbot", "bot")
     assert len(reply) == 1 and reply[0].strip()
     assert len({n for n in lengths if n}) >= 2, lengths  # seen at several lengths
