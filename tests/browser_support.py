@@ -166,35 +166,38 @@ def configure(page: Page, **numbers: float) -> None:
         set_number(page, name.replace("_", "-"), value)
 
 
-# Records, from the moment it is installed, whether any element took Gradio's
-# ``.generating`` mark (outputs of a pending or running event wear it): a short event can
-# gain and lose it between two looks, so every class change and added or removed node is
-# examined, with the class it had before.
-_WATCH_GENERATING = """() => {
-  const state = {started: false};
-  const marked = node => node.nodeType === 1 &&
-      (node.classList.contains('generating') || node.querySelector('.generating') !== null);
-  const observer = new MutationObserver(records => {
-    if (records.some(r => (r.oldValue || '').split(/\\s+/).includes('generating') || marked(r.target)
-                          || [...r.addedNodes, ...r.removedNodes].some(marked))) {
-      state.started = true;
-      observer.disconnect();
+# Installed before a click: notes every Gradio status tracker that shows from then on (the
+# outputs of a pending or running event show one; trackers already showing are not the
+# click's), and says whether all of them are done: hidden again, gone, or showing an
+# error. A short event can show and hide its trackers between two looks, so each class
+# change is read with the class it had before, and added or removed nodes are examined.
+_WATCH_EVENT = """() => {
+  const trackers = '[data-testid=status-tracker]';
+  const shows = t => !t.classList.contains('hide');
+  const before = new Set([...document.querySelectorAll(trackers)].filter(shows));
+  const shown = new Set();
+  const note = (t, showed) => { if (!before.has(t) && (showed || shows(t))) shown.add(t); };
+  const within = n => n.nodeType !== 1 ? [] : [n, ...n.querySelectorAll(trackers)].filter(e => e.matches(trackers));
+  new MutationObserver(records => {
+    for (const r of records) {
+      if (r.type === 'attributes' && r.target.matches(trackers))
+        note(r.target, !(r.oldValue || '').split(/\\s+/).includes('hide'));
+      [...r.addedNodes, ...r.removedNodes].flatMap(within).forEach(t => note(t, false));
     }
-  });
-  observer.observe(document.body, {subtree: true, childList: true, attributes: true,
-                                   attributeFilter: ['class'], attributeOldValue: true});
-  return state;
+  }).observe(document.body, {subtree: true, childList: true, attributes: true,
+                             attributeFilter: ['class'], attributeOldValue: true});
+  return {done: () => shown.size > 0 &&
+                      [...shown].every(t => !t.isConnected || !shows(t) || t.querySelector('.error'))};
 }"""
 
 
 def start_and_wait(page: Page, click: str) -> None:
-    """Click ``click`` and wait until the event it starts has finished streaming: its
-    outputs were marked as generating, and no longer are."""
-    started = page.evaluate_handle(_WATCH_GENERATING)
+    """Click ``click`` and wait until the event it starts has finished: the status trackers
+    of its outputs showed, and are hidden again."""
+    event = page.evaluate_handle(_WATCH_EVENT)
     page.click(click)
-    page.wait_for_function("state => state.started && !document.querySelector('.generating')",
-                           arg=started, timeout=DONE_TIMEOUT_MS)
-    started.dispose()
+    page.wait_for_function("event => event.done()", arg=event, timeout=DONE_TIMEOUT_MS)
+    event.dispose()
 
 
 def settled_box(page: Page, selector: str) -> dict[str, float]:
