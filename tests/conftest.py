@@ -2,6 +2,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Set before torch is imported, as app.py does: the test workers, the apps and the browsers
+# share the cores, and idle OpenMP threads that spin stall them all.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
