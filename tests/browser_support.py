@@ -24,6 +24,10 @@ DONE_TIMEOUT_MS = 120_000
 # What the page shows waits behind decoding, which on a busy 2-core machine takes far
 # longer than Playwright's default 5 s for each expect().
 expect.set_options(timeout=30_000)
+# Settings under which the reply to "Count from one to two hundred in words." streams for
+# 286 tokens (top-p 0.9, the config's), long enough to stop it or press Enter again while it
+# streams on a busy machine. Greedy, the reply is 25 tokens long and often over first.
+LONG_COUNTING_REPLY = {"temperature": 1.0, "seed": 2}
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",

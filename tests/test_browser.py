@@ -4,7 +4,7 @@ driven through Debian's chromium with Playwright."""
 from __future__ import annotations
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, gauge, messages, open_app, open_tab, send,
+    DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, gauge, messages, open_app, open_tab, send,
     set_number, start_and_wait,
 )
 
@@ -41,7 +41,7 @@ def test_chat_reply_streams_and_the_token_counter_moves(page):
 
 
 def test_stop_during_a_long_reply_then_a_new_turn_works(page):
-    configure(page, max_new_tokens=400)
+    configure(page, max_new_tokens=400, **LONG_COUNTING_REPLY)
     page.fill("#chat-input textarea", "Count from one to two hundred in words.")
     page.click("#chat-send")
     page.wait_for_function(

@@ -13,7 +13,7 @@ from PIL import Image
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, gauge, messages, open_app, open_tab, page_errors, send,
+    LONG_COUNTING_REPLY, configure, gauge, messages, open_app, open_tab, page_errors, send,
     set_number, settled_box, show_settings, start_and_wait, toasts,
 )
 
@@ -110,7 +110,7 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
                 box = settled_box(page, f"#{elem_id}")
                 assert box and box["y"] + box["height"] <= 768, (elem_id, box)
         open_tab(page, "Chat")
-        configure(page, max_new_tokens=300)
+        configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
         show_settings(page, False)
         page.fill("#chat-input textarea", "Count from one to two hundred in words.")
         page.press("#chat-input textarea", "Enter")
