@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
-from playwright.sync_api import Page, expect
+from playwright.sync_api import JSHandle, Page, expect
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -202,6 +202,35 @@ def start_and_wait(page: Page, click: str) -> None:
     page.click(click)
     page.wait_for_function("event => event.done()", arg=event, timeout=DONE_TIMEOUT_MS)
     event.dispose()
+
+
+# Installed before an action: notes whether a status tracker within ``selector`` ever
+# shows ``text`` (a waiting event's "queue: 2/2" may show for a moment only).
+_WATCH_PROGRESS = """([selector, text]) => {
+  const state = {seen: false};
+  const look = () => {
+    const shown = document.querySelectorAll(`${selector} [data-testid=status-tracker]:not(.hide)`);
+    if ([...shown].some(tracker => tracker.textContent.includes(text))) {
+      state.seen = true;
+      observer.disconnect();
+    }
+  };
+  const observer = new MutationObserver(look);
+  observer.observe(document.body, {subtree: true, childList: true, characterData: true,
+                                   attributes: true, attributeFilter: ['class']});
+  look();
+  return state;
+}"""
+
+
+def watch_progress(page: Page, selector: str, text: str) -> JSHandle:
+    """From now on, whether the progress shown on ``selector`` ever contains ``text``:
+    read it with ``seen(handle)``."""
+    return page.evaluate_handle(_WATCH_PROGRESS, [selector, text])
+
+
+def seen(watch: JSHandle) -> bool:
+    return watch.evaluate("state => state.seen")
 
 
 def settled_box(page: Page, selector: str) -> dict[str, float]:
