@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from h2o_chat.loading import cache_root
+
 _WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 _watching: list[BesideRepository] = []
 
