@@ -27,7 +27,7 @@ expect.set_options(timeout=30_000)
 # Settings under which the reply to "Count from one to two hundred in words." streams for
 # 286 tokens (top-p 0.9, the config's), long enough to stop it or press Enter again while it
 # streams on a busy machine. Greedy, the reply is 25 tokens long and often over first.
-LONG_COUNTING_REPLY = {"temperature": 1.0, "seed": 2}
+LONG_COUNTING_REPLY = {"temperature": 1, "seed": 2}
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -139,6 +139,10 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
 
 def set_number(page: Page, elem_id: str, value: float) -> None:
     box = page.locator(f"#{elem_id} input[type=number], #{elem_id} textarea")
+    # Counted once the control is drawn (a settings panel just opened draws its controls
+    # a moment later): counted before, a slider looked like a plain box, and the typed
+    # text itself ("1.0" for 1) was then compared with the value.
+    expect(box).to_be_visible()
     sliders = page.locator(f"#{elem_id} input[type=range]")
     slider = sliders if sliders.count() else box  # plain number boxes have no slider
     # The slider does not always take a typed value (seen on a busy machine: a 32-token
