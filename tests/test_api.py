@@ -10,11 +10,17 @@ import time
 import httpx
 import pytest
 
+from h2o_chat import ChatSession
 from h2o_chat.api.stops import StopMatcher
+from h2o_chat.config import load_config
+from h2o_chat.engine.budget import token_bytes
+from h2o_chat.engine.build import cache_from_config
+from h2o_chat.engine.quant import KVStorage
 
 from .api_support import MODEL_ID, api_config, client, reference_session, serving
 
 GREEDY = dict(temperature=0, max_tokens=16)
+SAME_AS_GREEDY = dict(temperature=0, max_new_tokens=16)  # GREEDY in the Python API's words
 QUESTION = "What is the capital of France?"
 
 
@@ -251,3 +257,20 @@ def test_kept_conversations_are_bounded_and_freed_when_idle(smollm):
         first = ask(url, [{"role": "user", "content": "One."}], max_tokens=3)[0]
         time.sleep(0.2)
         assert continued(url, "One.", first) == 0  # freed after 0.06 s without a turn
+
+
+def test_a_byte_budget_at_8_and_4_bits_shows_in_the_ledger_and_replies_as_the_python_api(smollm):
+    config = load_config(None, {"cache": {"policy": "h2o", "sink": 4, "key_bits": 8, "value_bits": 4,
+                                          "budget_mb": 1.0}})
+    question = "Tell me about the lighthouse keeper and the storm. " * 12  # past the budget: evicts
+    with serving(smollm, config) as url:
+        completion, _ = ask(url, [{"role": "user", "content": question}])
+    model, tokenizer = smollm
+    reference = ChatSession(model, tokenizer, cache=cache_from_config(model, config.cache),
+                            system_prompt=config.generation.system_prompt)
+    assert completion.choices[0].message.content == "".join(reference.send(question, **SAME_AS_GREEDY))
+    h2o = completion.model_extra["h2o"]
+    assert (h2o["key_bits"], h2o["value_bits"], h2o["budget_bytes"]) == (8, 4, 1_000_000)
+    slots = 1_000_000 // token_bytes(model, KVStorage(8, 4), rolling=False)
+    assert h2o["evicted"] > 0 and h2o["slots_held"] == h2o["budget"] == slots
+    assert h2o["held_bytes"] == reference.stats().cache.held_bytes <= 1_000_000

@@ -113,3 +113,31 @@ def test_the_server_line_follows_this_pages_turn(browser, app_url):
         expect(line).to_contain_text("· 0 generating")
     finally:
         page.context.close()
+
+
+def _choose(page, elem_id: str, option: str) -> None:
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+    expect(page.locator(f"#{elem_id} input")).to_have_value(option)
+
+
+def test_compare_at_equal_bytes_with_8_and_4_bit_slots(page):
+    """The bounded side gets a budget in megabytes at 8-bit keys and 4-bit values; its
+    title names the megabytes and its gauge the bits, bytes and slots the budget buys."""
+    open_tab(page, "Compare")
+    configure(page, max_new_tokens=6)
+    _choose(page, "key-bits", "8")
+    _choose(page, "value-bits", "4")
+    page.fill("#budget-mb textarea, #budget-mb input", "0.8")
+    page.locator("#budget-mb textarea, #budget-mb input").press("Tab")
+    # The idle side follows the settings: its title and its empty gauge name the bytes.
+    expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget-bytes", "800000")
+    expect(page.get_by_text("h2o cache (0.8 MB, K8/V4)").first).to_be_visible()
+    send(page, "#compare-input", "#compare-send", "Tell me about the rivers and bridges of Paris. " * 8)
+    bounded, full = gauge(page, "compare-bounded-gauge"), gauge(page, "compare-full-gauge")
+    assert (bounded["keyBits"], bounded["valueBits"], bounded["budgetBytes"]) == ("8", "4", "800000")
+    assert bounded["state"] == "at-budget" and int(bounded["heldBytes"]) <= 800_000
+    assert (full["keyBits"], full["valueBits"], full["budgetBytes"]) == ("32", "32", "")
+    # Equal bytes buy the 8/4-bit cache more tokens than float32 slots would.
+    assert int(full["heldBytes"]) // int(full["held"]) > 3 * (int(bounded["heldBytes"]) // int(bounded["held"]))
+    expect(page.locator("#compare-bounded-gauge")).to_contain_text("keys 8-bit, values 4-bit")

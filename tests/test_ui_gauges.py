@@ -5,6 +5,8 @@ import threading
 from dataclasses import replace
 
 from h2o_chat import ChatSession, make_cache
+from h2o_chat.config import CacheConfig
+from h2o_chat.engine.build import cache_from_config
 from h2o_chat.fidelity import first_divergence
 from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
 from h2o_chat.ui.streaming import Interleaved, Throttle, stream_turn
@@ -32,9 +34,28 @@ def test_gauge_follows_the_session_from_empty_to_at_budget(smollm):
         "state": "at-budget", "tokens": str(stats.tokens), "seen": str(stats.cache.seen),
         "held": str(stats.cache.held), "budget": str(stats.cache.budget),
         "kv-bytes": str(stats.cache.kv_bytes), "held-bytes": str(stats.cache.held_bytes),
+        "budget-bytes": "", "key-bits": "32", "value-bits": "32",  # float32 SmolLM2, slots counted
         "tps": f"{stats.decode_tokens_per_s:.2f}",
     }
     assert f"{gauge.evicted} tokens evicted" in page
+
+
+def test_gauge_of_a_byte_budget_at_8_and_4_bits_shows_bytes_bits_and_slots(smollm):
+    model, tokenizer = smollm
+    cache = CacheConfig(policy="h2o", sink=4, key_bits=8, value_bits=4, budget_mb=0.6)
+    # Before the model is known the budget can only be named in bytes.
+    planned = empty_gauge("chat", None, cache)
+    assert attributes(planned)["budget-bytes"] == "600000" and "budget <b>0.6 MB</b>" in planned
+    session = ChatSession(model, tokenizer, cache=cache_from_config(model, cache), system_prompt="Be brief.")
+    "".join(session.send("Tell me about the sea and the ships on it, all of them. " * 6,
+                         temperature=0, max_new_tokens=8))
+    stats = session.stats().cache
+    page = gauge_html(Gauge.of("chat", session.stats()))
+    shown = attributes(page)
+    assert (shown["key-bits"], shown["value-bits"], shown["budget-bytes"]) == ("8", "4", "600000")
+    assert shown["state"] == "at-budget" and int(shown["held-bytes"]) == stats.held_bytes <= 600_000
+    assert f"budget <b>{stats.budget - stats.pinned} (0.6 MB)</b>" in page
+    assert "keys 8-bit, values 4-bit" in page
 
 
 def test_gauge_states_in_words():

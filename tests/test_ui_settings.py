@@ -6,11 +6,14 @@ import gradio as gr
 import pytest
 
 from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.engine.build import cache_from_config
+from h2o_chat.engine.quant import KVStorage
+from h2o_chat.engine.state import settings_differences
 from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
 from h2o_chat.ui.provider import ModelProvider
 from h2o_chat.ui.refusals import Refusal
-from h2o_chat.ui.settings import Settings
+from h2o_chat.ui.settings import MODEL_DTYPE, Settings, budget
 from h2o_chat.ui.story_tab import StoryState
 
 
@@ -70,3 +73,53 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
             settings.sampling(values(settings, **changed))
     with pytest.raises(Refusal, match=re.escape("cache.heavy = -5: must be an integer >= 0")):
         settings.cache(values(settings, heavy=-5))
+
+
+def test_bits_and_a_budget_in_megabytes_reach_new_chats_and_compares_at_equal_bytes(loaded):
+    settings = panel(AppConfig(cache=CacheConfig(heavy=8, recent=8, sink=4)))
+    assert (settings.key_bits.value, settings.value_bits.value, settings.budget_mb.value) == (
+        MODEL_DTYPE, MODEL_DTYPE, "")
+    plain = settings.cache(values(settings))
+    assert (plain.key_bits, plain.value_bits, plain.budget_mb) == (None, None, None)
+    chosen = settings.cache(values(settings, key_bits="8", value_bits="4", budget_mb=" 0.8 "))
+    assert (chosen.key_bits, chosen.value_bits, chosen.budget_mb) == (8, 4, 0.8)
+
+    chat = ChatState(loaded, chosen, "Be brief.")
+    compare = CompareState(loaded, chosen, "Be brief.")
+    for session in (chat.session, compare.sides[BOUNDED]):
+        "".join(session.send("Tell me about the sea and its ships, every one of them. " * 6,
+                             temperature=0, max_new_tokens=4))
+        stats = session.stats().cache
+        assert (stats.key_bits, stats.value_bits, stats.budget_bytes) == (8, 4, 800_000)
+        assert stats.seen > stats.held and stats.held_bytes <= 800_000
+        assert stats.budget == budget(chosen, loaded.model)
+    assert compare.labels[BOUNDED] == "h2o cache (0.8 MB, K8/V4)"
+    assert compare.sides[FULL].cache.storage == KVStorage()  # the full side keeps the model's precision
+    compare.close()
+
+
+def test_bad_bits_and_budgets_are_refused_by_name():
+    settings = panel(AppConfig())
+    for changed, message in [
+            (dict(budget_mb="lots"), "cache.budget_mb = 'lots': must be a number of megabytes, or empty"),
+            (dict(budget_mb="-1"), "cache.budget_mb = -1.0: must be a number of megabytes > 0 and <= 1000000"),
+            (dict(key_bits="3"), "cache.key_bits = 3: must be one of 32, 16, 8, 4"),
+            (dict(budget_mb="2", policy="full"), "cache.budget_mb is set but cache.policy is 'full'")]:
+        with pytest.raises(Refusal, match=re.escape(message)):
+            settings.cache(values(settings, **changed))
+
+
+def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
+    settings = panel(AppConfig())
+    saved = cache_from_config(loaded.model, CacheConfig(policy="h2o", sink=4, key_bits=8, value_bits=4,
+                                                        budget_mb=1.5))
+    ours = cache_from_config(loaded.model, settings.cache(values(settings)))
+    cache, shown = settings.adopt(values(settings), settings_differences(saved.settings(), ours.settings()))
+    assert (cache.key_bits, cache.value_bits, cache.budget_mb) == (8, 4, 1.5)
+    assert shown[settings.key_bits] == "8" and shown[settings.value_bits] == "4" and shown[settings.budget_mb] == "1.5"
+    assert cache_from_config(loaded.model, cache).settings() == saved.settings()
+    # And back: a file saved with slots and the model's precision clears them again.
+    chosen = values(settings, key_bits="8", value_bits="4", budget_mb="1.5")
+    cache, shown = settings.adopt(chosen, settings_differences(ours.settings(), saved.settings()))
+    assert (cache.key_bits, cache.value_bits, cache.budget_mb) == (None, None, None)
+    assert shown[settings.key_bits] == MODEL_DTYPE and shown[settings.budget_mb] == ""

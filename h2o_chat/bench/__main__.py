@@ -227,7 +227,7 @@ TABLE: dict[str, Comparison] = {
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
         lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, [float(x) for x in b.args.shares.split(",")],
                                   [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
-                                  b.args.repeats, log=log),
+                                  b.args.repeats, b.args.articles, log=log),
         equal_bytes.plot, equal_bytes.markdown),
 }
 COMPARISONS = list(TABLE)

@@ -34,12 +34,14 @@ from h2o_chat.engine.build import cache_for_policy
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import FullPolicy, make_policy
 from h2o_chat.engine.quant import KVStorage
+from h2o_chat.loading import eos_token_ids
 
 from . import data
 from .report import md_table
 from .speed import decode, prefill
 from .streaming import full_records, passage_records, phase_pass, reference_logprobs, run_budget
 from .variants import Variant
+from .xsum import greedy, rouge
 
 PRECISIONS: dict[str, KVStorage] = {
     "float32": KVStorage(32, 32), "fp16": KVStorage(16, 16), "K8/V8": KVStorage(8, 8),
@@ -49,6 +51,8 @@ QUANTIZE_ONLY = ("fp16", "K8/V8", "K8/V4", "K4/V4")
 SINK_PRECISIONS = ("float32", "K8/V4")
 SINK = 4
 SPEED_SHARE = 0.05  # the decode timing's slots: what K8/V4 holds at this share of the bytes
+XSUM_SHARE = 0.1
+XSUM_PRECISIONS = ("float32", "K8/V4")
 
 
 def plain_token_bytes(model) -> int:
@@ -75,9 +79,11 @@ def _share_name(share: float) -> str:
 
 
 def measure_quality(model, passages, shares: list[float], *, phases=("streaming", "continuation"),
-                    prefill: int = 16, stream_len: int = 1536, chunk: int = 256, log=print) -> list[dict]:
+                    prefill: int = 16, stream_len: int = 1536, chunk: int = 256, baselines: bool = True,
+                    log=print) -> list[dict]:
     """Every cache's records (``streaming.passage_records`` plus share, precision and the
-    bytes a row held at the end) over ``passages`` in each phase."""
+    bytes a row held at the end) over ``passages`` in each phase; ``baselines``: the full
+    cache at each lower precision too (shares of one run may go to processes of their own)."""
     ids = torch.tensor([p.ids for p in passages])
     rows = ids.shape[0]
     log(f"  reference: full cache over {rows} passages x {ids.shape[1]} tokens")
@@ -88,7 +94,7 @@ def measure_quality(model, passages, shares: list[float], *, phases=("streaming"
         plain = plain_token_bytes(model) * stream_len
         found = [r | {"precision": "float32", "share": 1.0, "held_bytes_per_row": plain}
                  for r in full_records(ids, ref, passages, phase=phase, stream_len=stream_len)]
-        for precision in QUANTIZE_ONLY:
+        for precision in QUANTIZE_ONLY if baselines else ():
             started = time.perf_counter()
             cache = cache_for_policy(model, FullPolicy(), storage=PRECISIONS[precision])
             nll, agree, kl = phase_pass(model, cache, ids, ref, phase=phase, prefill=prefill,
@@ -151,17 +157,44 @@ def measure_speed(model, tokenizer, contexts: list[int], decode_tokens: int, rep
     return rows
 
 
+def measure_xsum(model, tokenizer, n_articles: int, share: float = XSUM_SHARE, log=print) -> dict:
+    """Comparison 3's protocol (whole prompt as one chunk, greedy, ROUGE F1) for the full
+    cache and h2o at ``share`` of the bytes the full cache holds for each prompt."""
+    eos = eos_token_ids(model, tokenizer)
+    labels = ["full float32", *(f"h2o {p}" for p in XSUM_PRECISIONS)]
+    scores, slots = {label: [] for label in labels}, {label: [] for label in labels[1:]}
+    started = time.perf_counter()
+    for i, row in enumerate(data.xsum_articles(n_articles)):
+        ids = torch.tensor([tokenizer(row["article"], add_special_tokens=False).input_ids])
+        caches = {"full float32": cache_for_policy(model, FullPolicy())}
+        for precision in XSUM_PRECISIONS:
+            slots[f"h2o {precision}"].append(share_slots(model, share, ids.shape[1], PRECISIONS[precision]))
+            budgets = split_slots("h2o", slots[f"h2o {precision}"][-1], SINK)
+            caches[f"h2o {precision}"] = cache_for_policy(model, make_policy("h2o", **budgets),
+                                                          storage=PRECISIONS[precision])
+        for label, cache in caches.items():
+            scores[label].append(rouge(row["summary_gt"], greedy(model, tokenizer, cache, ids, eos)[0][0]))
+        if (i + 1) % 10 == 0:
+            log(f"  xsum {i + 1}/{n_articles} articles, {time.perf_counter() - started:.0f}s")
+    return {"share": share, "articles": n_articles,
+            "caches": {label: {"mean_slots": statistics.mean(slots[label]) if label in slots else None,
+                               **{k: statistics.mean(s[k] for s in scores[label]) for k in scores[label][0]}}
+                       for label in labels}}
+
+
 def run(model, tokenizer, passages_per_source: int, shares: list[float], contexts: list[int],
-        decode_tokens: int, repeats: int, phases=("streaming", "continuation"), log=print) -> dict:
+        decode_tokens: int, repeats: int, xsum_articles: int = 0, phases=("streaming", "continuation"),
+        log=print) -> dict:
     passages = data.passages(tokenizer, passages_per_source, 1536 + 200)
     started_load = os.getloadavg()[0]
     records = measure_quality(model, passages, shares, phases=phases, log=log)
     speed = measure_speed(model, tokenizer, contexts, decode_tokens, repeats, log=log) if contexts else []
+    summaries = measure_xsum(model, tokenizer, xsum_articles, log=log) if xsum_articles else None
     notes = [f"Plain full cache: {plain_token_bytes(model):,} bytes a token (float32 K and V, "
              f"{cache_geometry(model)[0]} slots of head dim {cache_geometry(model)[1]}); each share is of that, "
              "a row's bytes are what its cache reported holding at the end (scales and bookkeeping included).",
              f"Load average (1 min) at the start {started_load:.2f}, at the end {os.getloadavg()[0]:.2f}."]
-    return {"records": records, "speed": speed, "notes": notes,
+    return {"records": records, "speed": speed, "xsum": summaries, "notes": notes,
             "config": {"passages": [{"source": p.source, "title": p.title, "tokens": len(p.ids)} for p in passages],
                        "shares": shares, "contexts": contexts, "decode_tokens": decode_tokens,
                        "repeats": repeats, "phases": list(phases), "sink": SINK}}
@@ -202,6 +235,15 @@ def markdown(result: dict) -> str:
                          f"{r['decode_tok_s'] / same['h2o float32']['decode_tok_s']:.2f}×"])
         blocks.append("**decode speed** (median of alternating runs)\n\n" + md_table(
             ["context", "cache", "slots", "bytes held", "tok/s", "vs full float32", "vs h2o float32"], rows))
+    if result.get("xsum"):
+        xs = result["xsum"]
+        full = xs["caches"]["full float32"]
+        rows = [[label, "all" if c["mean_slots"] is None else f"{c['mean_slots']:.0f}", f"{c['rougeL']:.4f}",
+                 f"{c['rougeL'] / full['rougeL']:.3f}×", f"{c['rouge1']:.4f}", f"{c['rouge2']:.4f}"]
+                for label, c in xs["caches"].items()]
+        blocks.append(f"**XSUM** ({xs['articles']} articles, h2o at {_share_name(xs['share'])} of the bytes the "
+                      "full cache holds for each prompt; mean slots)\n\n"
+                      + md_table(["cache", "slots", "ROUGE-L", "vs full", "ROUGE-1", "ROUGE-2"], rows))
     return "\n\n".join(blocks)
 
 

@@ -13,6 +13,7 @@ cache runs alone.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -71,10 +72,20 @@ def greedy(model, tokenizer, cache, ids: torch.Tensor, eos: set[int]) -> list[tu
     return texts
 
 
-def run(model, tokenizer, n_articles: int, extra=None, log=print) -> dict:
+@functools.cache
+def _scorer():
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+
+
+def rouge(reference: str, text: str) -> dict[str, float]:
+    """ROUGE-1/2/L F1 of ``text`` against ``reference``."""
+    scores = _scorer().score(reference, text)
+    return {k: scores[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")}
+
+
+def run(model, tokenizer, n_articles: int, extra=None, log=print) -> dict:
     eos = eos_token_ids(model, tokenizer)
     articles = data.xsum_articles(n_articles)
     per_article = []
@@ -91,9 +102,8 @@ def run(model, tokenizer, n_articles: int, extra=None, log=print) -> dict:
             outputs[v.label] = (text, v.capacity)
         rec = {"index": i, "prompt_tokens": length, "reference": row["summary_gt"], "outputs": {}}
         for label, ((text, n_new), slots) in outputs.items():
-            scores = scorer.score(row["summary_gt"], text)
             rec["outputs"][label] = {"text": text, "new_tokens": n_new, "slots": slots,
-                                     **{k: scores[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")}}
+                                     **rouge(row["summary_gt"], text)}
         per_article.append(rec)
         if (i + 1) % 5 == 0 or i + 1 == len(articles):
             log(f"  xsum {i + 1}/{len(articles)} articles, {time.perf_counter() - started:.0f}s")

@@ -111,7 +111,7 @@ class ChatTab:
                     self.undo = gr.Button("Undo", elem_id="chat-undo")
                     self.new = gr.Button("New chat", elem_id="chat-new")
             with gr.Column(scale=2):
-                self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
+                self.gauge = gr.HTML(self.empty_gauge(config.cache),
                                      css_template=GAUGE_CSS, elem_id="chat-gauge")
                 self.system_prompt = gr.Textbox(
                     config.generation.system_prompt, lines=3, elem_id="system-prompt",
@@ -149,11 +149,15 @@ class ChatTab:
         gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
         self.settings.follow(self.state, [self.gauge],
-                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
+                             lambda cache: {self.gauge: self.empty_gauge(cache)})
         self.map.wire(self.state)
         self.files.wire(self, ChatState)
         self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
+
+    def empty_gauge(self, cache: CacheConfig) -> str:
+        """The gauge before a chat starts: the budget its cache will get."""
+        return empty_gauge(GAUGE_LABEL, budget(cache, self.provider.loaded_model), cache)
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
@@ -228,7 +232,7 @@ class ChatTab:
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [],
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
+                self.gauge: self.empty_gauge(cache),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:

@@ -39,9 +39,16 @@ FIDELITY_ON = False
 
 
 def bounded_label(cache: CacheConfig) -> str:
-    slots = budget(cache)
+    """The bounded side's name: its policy and budget, in megabytes where the settings give
+    bytes (the comparison at equal memory), and the storage bits where set."""
+    if cache.budget_mb is not None:
+        size = f"{cache.budget_mb:g} MB"
+    else:
+        slots = budget(cache)
+        size = "settings" if slots is None else f"{slots} slots"
+    bits = "/".join(f"{side}{b}" for side, b in (("K", cache.key_bits), ("V", cache.value_bits)) if b is not None)
     # Never the full side's label, even for the full policy: the plots tell sides by it.
-    return f"{cache.policy} cache " + ("(settings)" if slots is None else f"({slots} slots)")
+    return f"{cache.policy} cache ({size}{', ' + bits if bits else ''})"
 
 
 def _title(label: str) -> str:
@@ -129,7 +136,7 @@ class CompareTab:
             self.reset = gr.Button("Reset", scale=0, min_width=100, elem_id="compare-reset")
         with gr.Row():
             self.bounded_gauge = gr.HTML(
-                empty_gauge(bounded_label(config.cache), budget(config.cache)),
+                self._empty_gauge(config.cache),
                 css_template=GAUGE_CSS, elem_id="compare-bounded-gauge")
             self.full_gauge = gr.HTML(empty_gauge(FULL_LABEL, None), css_template=GAUGE_CSS,
                                       elem_id="compare-full-gauge")
@@ -312,7 +319,10 @@ class CompareTab:
     def _idle_bounded(self, cache: CacheConfig) -> dict:
         """The bounded side before its first message: title and gauge for ``cache``."""
         return {self.bounded_title: _title(bounded_label(cache)),
-                self.bounded_gauge: empty_gauge(bounded_label(cache), budget(cache))}
+                self.bounded_gauge: self._empty_gauge(cache)}
+
+    def _empty_gauge(self, cache: CacheConfig) -> str:
+        return empty_gauge(bounded_label(cache), budget(cache, self.provider.loaded_model), cache)
 
     def on_reset(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes

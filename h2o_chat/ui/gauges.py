@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from h2o_chat.config import CacheConfig
+from h2o_chat.engine.build import MEGABYTE
 from h2o_chat.session import SessionStats
-
-_MB = 1e6
 
 # For each gauge's gr.HTML (css_template, scoped to it). Text, greys and borders are the
 # theme's variables, so the gauge reads in light and dark mode; the state's colour is a
@@ -49,6 +49,11 @@ class Gauge:
     held_bytes: int  # of which the slots in use
     tokens_per_s: float
     prefill_seconds: float
+    # Storage bits of keys and values (None: not known before the first token), and the
+    # budget in bytes where the settings give one.
+    key_bits: int | None = None
+    value_bits: int | None = None
+    budget_bytes: int | None = None
 
     @classmethod
     def of(cls, label: str, stats: SessionStats, tokens_per_s: float | None = None) -> Gauge:
@@ -66,11 +71,14 @@ class Gauge:
             held_bytes=cache.held_bytes,
             tokens_per_s=stats.decode_tokens_per_s if tokens_per_s is None else tokens_per_s,
             prefill_seconds=stats.prefill_seconds,
+            key_bits=cache.key_bits,
+            value_bits=cache.value_bits,
+            budget_bytes=cache.budget_bytes,
         )
 
     @property
     def kv_mb(self) -> float:
-        return self.kv_bytes / _MB
+        return self.kv_bytes / MEGABYTE
 
     @property
     def state(self) -> str:
@@ -89,9 +97,12 @@ class Gauge:
         return self.seen - self.held
 
 
-def empty_gauge(label: str, budget: int | None) -> str:
-    """The gauge of a session not started yet."""
-    return gauge_html(Gauge(label, 0, 0, 0, 0, budget, 0, 0, 0.0, 0.0))
+def empty_gauge(label: str, budget: int | None, cache: CacheConfig | None = None) -> str:
+    """The gauge of a session not started yet, with ``cache``'s bits and byte budget where given."""
+    planned = {} if cache is None else {
+        "key_bits": cache.key_bits, "value_bits": cache.value_bits,
+        "budget_bytes": None if cache.budget_mb is None else int(cache.budget_mb * MEGABYTE)}
+    return gauge_html(Gauge(label, 0, 0, 0, 0, budget, 0, 0, 0.0, 0.0, **planned))
 
 
 def _state_line(g: Gauge) -> str:
@@ -113,16 +124,21 @@ def _state_line(g: Gauge) -> str:
 _COUNTS_PLAIN = ("tokens seen: read by the model so far; a slot holds one token in the "
                  "model's memory (in every layer); budget: the most slots kept (sink + "
                  "heavy + recent); text you pin comes on top")
-_MEMORY_PLAIN = ("KV cache: the memory holding each kept token's keys and values; prefill: "
-                 "the time to read the prompt before the first new token")
+_MEMORY_PLAIN = ("KV cache: the memory holding each kept token's keys and values; bits: how "
+                 "precisely each is stored; prefill: the time to read the prompt before the first new token")
 
 
 def gauge_html(g: Gauge) -> str:
     """The token counter (seen vs held vs budget), its state in words, memory and speed.
     The numbers are also ``data-*`` attributes, for tests and scripts."""
     # "Budget" is the settings' one everywhere (sink + heavy + recent); pins come on top.
-    budget = "∞" if g.budget is None else str(g.budget - g.pinned)
+    if g.budget is None:
+        # A budget in bytes has no slot count until the model that sets a token's bytes is known.
+        budget = "∞" if g.budget_bytes is None else f"{g.budget_bytes / MEGABYTE:g} MB"
+    else:
+        budget = str(g.budget - g.pinned) + ("" if g.budget_bytes is None else f" ({g.budget_bytes / MEGABYTE:g} MB)")
     budget_attr = "" if g.budget is None else str(g.budget)
+    bits = "" if g.key_bits is None else f" · keys {g.key_bits}-bit, values {g.value_bits}-bit"
     if g.seen == 0:
         fill = 0.0
     else:
@@ -131,6 +147,8 @@ def gauge_html(g: Gauge) -> str:
         f'<div class="gauge" data-state="{g.state}" data-tokens="{g.tokens}" '
         f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '
         f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
+        f'data-budget-bytes="{g.budget_bytes or ""}" data-key-bits="{g.key_bits or ""}" '
+        f'data-value-bits="{g.value_bits or ""}" '
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
         f'<div title="{_COUNTS_PLAIN}">'
@@ -139,7 +157,7 @@ def gauge_html(g: Gauge) -> str:
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
         f'<div class="gnums" title="{_MEMORY_PLAIN}">'
-        f"KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / _MB:.2f} MB in use) · "
+        f"KV cache <b>{g.kv_mb:.2f} MB</b> ({g.held_bytes / MEGABYTE:.2f} MB in use){bits} · "
         f"<b>{g.tokens_per_s:.1f}</b> tokens/s decoding · prefill {g.prefill_seconds:.2f} s</div>"
         "</div>"
     )
@@ -163,7 +181,7 @@ class TurnSeries:
         # bounded cache is at budget (as its gauge says), while the allocation moves with
         # the room reserved for incoming tokens.
         self.rows += [
-            {"turn": label, "cache": g.label, MEMORY: round(g.held_bytes / _MB, 3), SLOTS: g.held}
+            {"turn": label, "cache": g.label, MEMORY: round(g.held_bytes / MEGABYTE, 3), SLOTS: g.held}
             for g in gauges
         ]
 

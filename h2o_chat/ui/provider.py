@@ -65,6 +65,11 @@ class ModelProvider:
         """Why loading failed; None while loading or once loaded."""
         return self._error
 
+    @property
+    def loaded_model(self) -> Any | None:
+        """The model once loaded, without waiting (None while loading or after a failure)."""
+        return None if self._loaded is None else self._loaded.model
+
     def get(self) -> LoadedModel:
         """The loaded model, waiting for it if needed; RuntimeError if loading failed."""
         self._done.wait()

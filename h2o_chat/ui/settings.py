@@ -8,12 +8,14 @@ from typing import Any
 
 import gradio as gr
 
-from h2o_chat.config import POLICIES, AppConfig, CacheConfig, ConfigError, validate
-from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
+from h2o_chat.config import POLICIES, STORAGE_BITS, AppConfig, CacheConfig, ConfigError, validate
+from h2o_chat.engine.build import BUDGETS, MEGABYTE, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.state import SettingDifference
 
 from .refusals import Refusal
+
+MODEL_DTYPE = "model's dtype"  # the bits choice that stores keys or values as the model computes them
 
 
 class Settings:
@@ -63,11 +65,27 @@ class Settings:
                     cache.rolling, label="rolling positions", elem_id="rolling",
                     info="cached tokens at their rank in the cache, so a conversation can "
                          "outgrow the model's trained context")
+            with gr.Row():
+                bits = [MODEL_DTYPE, *(str(b) for b in STORAGE_BITS)]
+                self.key_bits = gr.Dropdown(
+                    bits, value=_bits_choice(cache.key_bits), label="key bits", elem_id="key-bits",
+                    info="how precisely each kept key is stored: fewer bits, more slots per MB "
+                         "(keys are the fragile half: 8 keeps answers)")
+                self.value_bits = gr.Dropdown(
+                    bits, value=_bits_choice(cache.value_bits), label="value bits", elem_id="value-bits",
+                    info="the same for values, which take 4 bits with little loss")
+                # A text box, for the seed's reason: empty means "count slots instead".
+                self.budget_mb = gr.Textbox(
+                    "" if cache.budget_mb is None else f"{cache.budget_mb:g}", label="budget in MB",
+                    placeholder="empty: the slot counts above", elem_id="budget-mb",
+                    info="memory per conversation: replaces heavy and recent with the slots "
+                         "these megabytes hold at the bits above (pins counted)")
 
     @property
     def components(self) -> set[gr.components.Component]:
         return {self.temperature, self.top_p, self.max_new_tokens, self.seed,
-                self.policy, self.heavy, self.recent, self.sink, self.rolling}
+                self.policy, self.heavy, self.recent, self.sink, self.rolling,
+                self.key_bits, self.value_bits, self.budget_mb}
 
     def sampling(self, values: dict) -> dict[str, Any]:
         """Keyword arguments of ``session.send``, checked by the config file's rules;
@@ -89,7 +107,8 @@ class Settings:
     def cache_controls(self) -> dict[str, gr.components.Component]:
         """The cache settings the page can change, by their names in ``H2OCache.settings()``."""
         return {"policy": self.policy, **{name: getattr(self, name) for name in BUDGETS},
-                "rolling": self.rolling}
+                "rolling": self.rolling, "key_bits": self.key_bits, "value_bits": self.value_bits,
+                "budget_bytes": self.budget_mb}
 
     def check_adoptable(self, differences: Iterable[SettingDifference]) -> None:
         """A ``Refusal`` if the page cannot take a saved session's settings: one without
@@ -109,18 +128,23 @@ class Settings:
         if the page cannot take them (see ``check_adoptable``) or one is bad."""
         differences = list(differences)
         self.check_adoptable(differences)
-        taken = {d.name: d.saved for d in differences
-                 if d.name in self.cache_controls and d.saved is not None}
+        # Bits left at the model's dtype and a budget in slots are left out of a file's
+        # settings, so a difference there saves None: the page's control goes back to it.
+        taken = {d.name: d.saved for d in differences if d.name in self.cache_controls
+                 and (d.saved is not None or d.name in _NONE_MEANS)}
         try:
-            cache = self._cache(values, taken)
+            cache = self._cache(values, {_CONFIG_NAMES.get(name, name): _config_value(name, value)
+                                         for name, value in taken.items()})
         except Refusal as refusal:
             raise Refusal(f"the file's cache settings: {refusal}") from None
-        return cache, {self.cache_controls[name]: value for name, value in taken.items()}
+        return cache, {self.cache_controls[name]: _shown_value(name, value) for name, value in taken.items()}
 
     def _cache(self, values: dict, taken: dict[str, Any]) -> CacheConfig:
         """The page's cache settings with ``taken`` in place of some, checked."""
         page = {"policy": values[self.policy], "rolling": bool(values[self.rolling]),
-                **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS}}
+                **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
+                "key_bits": _bits(values[self.key_bits]), "value_bits": _bits(values[self.value_bits]),
+                "budget_mb": _megabytes(values[self.budget_mb])}
         cache = dataclasses.replace(self.config.cache, **(page | taken))
         return _checked(dataclasses.replace(self.config, cache=cache)).cache
 
@@ -138,7 +162,8 @@ class Settings:
                     pass
             return {outputs[0]: gr.skip()}
 
-        gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink)],
+        gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink,
+                                               self.key_bits, self.value_bits, self.budget_mb)],
               changed, {state, *self.components}, outputs, show_progress="hidden")
 
 
@@ -150,10 +175,12 @@ def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
         raise Refusal(str(err)) from None
 
 
-def budget(cache: CacheConfig) -> int | None:
+def budget(cache: CacheConfig, model: Any = None) -> int | None:
     """Slots a cache with these settings holds at rest, besides pinned tokens (None:
-    unbounded)."""
-    return policy_from_config(cache).capacity
+    unbounded, or a budget in bytes while the model that sets a token's bytes is not known)."""
+    if cache.budget_mb is None:
+        return policy_from_config(cache).capacity
+    return None if model is None else new_cache(model, cache).policy.capacity
 
 
 def _checked(config: AppConfig) -> AppConfig:
@@ -175,3 +202,45 @@ def _seed(text: str) -> int | None:
 
 def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
+
+
+# A saved setting whose None is a value the page can show (the model's dtype, no byte
+# budget), and the config field a setting's name stands for where they differ.
+_NONE_MEANS = ("key_bits", "value_bits", "budget_bytes")
+_CONFIG_NAMES = {"budget_bytes": "budget_mb"}
+
+
+def _config_value(name: str, saved: Any) -> Any:
+    return saved / MEGABYTE if name == "budget_bytes" and saved is not None else saved
+
+
+def _shown_value(name: str, saved: Any) -> Any:
+    if name in ("key_bits", "value_bits"):
+        return _bits_choice(saved)
+    if name == "budget_bytes":
+        return "" if saved is None else f"{saved / MEGABYTE:g}"
+    return saved
+
+
+def _bits_choice(bits: int | None) -> str:
+    return MODEL_DTYPE if bits is None else str(bits)
+
+
+def _bits(choice: str | None) -> int | None:
+    """The dropdown's choice as bits; anything else is handed on for the config's check."""
+    if choice in (None, MODEL_DTYPE):
+        return None
+    try:
+        return int(choice)
+    except ValueError:
+        return choice
+
+
+def _megabytes(text: str | None) -> float | None:
+    if text is None or not str(text).strip():
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise Refusal(f"cache.budget_mb = {str(text).strip()[:40]!r}: must be a number of megabytes, "
+                      "or empty for the slot counts") from None
