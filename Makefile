@@ -3,8 +3,8 @@
 #   make                    list these targets (starts nothing)
 #   make setup              create .venv and install everything
 #   make run [ARGS="..."]   set up, then start the app
-#   make test               set up (and install chromium where missing), then run the
-#                           whole test suite, browser tests included
+#   make test [TEST_ARGS=]  set up (and install chromium where missing), then run the
+#                           whole test suite, browser tests included, a worker per core
 #   make screenshots        retake the README's screenshots of the app (assets/*.png)
 #   make clean              remove .venv
 
@@ -44,8 +44,10 @@ browser:
 run: $(STAMP)
 	$(PY) app.py $(ARGS)
 
+# A worker per core, at most 4 (each holds a model, a browser and apps of its own); each
+# test module stays on one worker, so its apps start once. TEST_ARGS adds pytest options.
 test: $(STAMP) browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(TEST_ARGS) tests
 
 screenshots: $(STAMP) browser
 	$(PY) -m tools.screenshots

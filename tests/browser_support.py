@@ -15,12 +15,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from playwright.sync_api import Page, expect
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
+import psutil
+from playwright.sync_api import JSHandle, Page, expect
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 DONE_TIMEOUT_MS = 120_000
+# What the page shows waits behind decoding, which on a busy 2-core machine takes far
+# longer than Playwright's default 5 s for each expect().
+expect.set_options(timeout=30_000)
+# Settings under which the reply to "Count from one to two hundred in words." streams for
+# 286 tokens (top-p 0.9, the config's), long enough to stop it or press Enter again while it
+# streams on a busy machine. Greedy, the reply is 25 tokens long and often over first.
+LONG_COUNTING_REPLY = {"temperature": 1, "seed": 2}
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -33,44 +40,77 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# uvicorn's words when the port was taken between free_port() and the app's bind.
+PORT_TAKEN = "address already in use"
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on ``port``: while the app imports, another
+    program (a test beside it, another user's) may take its port, and must not be taken
+    for the app."""
+    try:
+        return any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+                   for conn in psutil.Process(pid).net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
 @contextmanager
 def running_app(*args: str, timeout: float = 120, log_path: Path | None = None,
-                env: dict[str, str] | None = None) -> Iterator[str]:
+                env: dict[str, str] | None = None, attempts: int = 3) -> Iterator[str]:
     """Start ``app.py`` on a free port with ``args`` (and ``env`` added to its
-    environment); yield its URL once it answers; stop it at the end. Its output goes to a
-    log that a failure to start shows, kept at ``log_path`` if given (for tests that read
-    what the server printed)."""
-    port = free_port()
-    log = (open(log_path, "w+") if log_path else
-           tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
+    environment); yield its URL once it listens there and answers; stop it at the end. A
+    port taken before the app could bind it costs a new start on another port, up to
+    ``attempts`` starts. Its output goes to a log that a failure to start shows, kept at
+    ``log_path`` if given (for tests that read what the server printed)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
-                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the app exited with {process.returncode}:\n{Path(log.name).read_text()}")
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        log = (open(log_path, "w+") if log_path else
+               tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
+        process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}/"
+        try:
+            if _answers(process, port, url, timeout, Path(log.name), retry=attempt < attempts):
+                yield url
+                return
+        finally:
+            _stop(process)
+            log.close()
+            if not log_path:
+                os.unlink(log.name)
+
+
+def _answers(process: subprocess.Popen, port: int, url: str, timeout: float, log: Path,
+             retry: bool) -> bool:
+    """Wait until the app ``process`` listens on ``port`` and ``url`` answers: True; False
+    if it exited because the port was taken and ``retry``; raise otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            output = log.read_text()
+            if retry and PORT_TAKEN in output.lower():
+                return False
+            raise RuntimeError(f"the app exited with {process.returncode}:\n{output}")
+        if listens_on(process.pid, port):
             try:
                 with urllib.request.urlopen(url, timeout=2):
-                    break
+                    return True
             except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the app did not answer within {timeout} s:\n"
-                                       f"{Path(log.name).read_text()}") from None
-                time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        if not log_path:
-            os.unlink(log.name)
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not answer within {timeout} s:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
@@ -99,6 +139,10 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
 
 def set_number(page: Page, elem_id: str, value: float) -> None:
     box = page.locator(f"#{elem_id} input[type=number], #{elem_id} textarea")
+    # Counted once the control is drawn (a settings panel just opened draws its controls
+    # a moment later): counted before, a slider looked like a plain box, and the typed
+    # text itself ("1.0" for 1) was then compared with the value.
+    expect(box).to_be_visible()
     sliders = page.locator(f"#{elem_id} input[type=range]")
     slider = sliders if sliders.count() else box  # plain number boxes have no slider
     # The slider does not always take a typed value (seen on a busy machine: a 32-token
@@ -130,14 +174,85 @@ def configure(page: Page, **numbers: float) -> None:
         set_number(page, name.replace("_", "-"), value)
 
 
+# Installed before a click: notes every Gradio status tracker that shows from then on (the
+# outputs of a pending or running event show one; trackers already showing are not the
+# click's), and says whether all of them are done: hidden again, gone, or showing an
+# error. A short event can show and hide its trackers between two looks, so each class
+# change is read with the class it had before, and added or removed nodes are examined.
+_WATCH_EVENT = """() => {
+  const trackers = '[data-testid=status-tracker]';
+  const shows = t => !t.classList.contains('hide');
+  const before = new Set([...document.querySelectorAll(trackers)].filter(shows));
+  const shown = new Set();
+  const note = (t, showed) => { if (!before.has(t) && (showed || shows(t))) shown.add(t); };
+  const within = n => n.nodeType !== 1 ? [] : [n, ...n.querySelectorAll(trackers)].filter(e => e.matches(trackers));
+  new MutationObserver(records => {
+    for (const r of records) {
+      if (r.type === 'attributes' && r.target.matches(trackers))
+        note(r.target, !(r.oldValue || '').split(/\\s+/).includes('hide'));
+      [...r.addedNodes, ...r.removedNodes].flatMap(within).forEach(t => note(t, false));
+    }
+  }).observe(document.body, {subtree: true, childList: true, attributes: true,
+                             attributeFilter: ['class'], attributeOldValue: true});
+  return {done: () => shown.size > 0 &&
+                      [...shown].every(t => !t.isConnected || !shows(t) || t.querySelector('.error'))};
+}"""
+
+
 def start_and_wait(page: Page, click: str) -> None:
-    """Click ``click`` and wait until the event it starts has finished streaming."""
+    """Click ``click`` and wait until the event it starts has finished: the status trackers
+    of its outputs showed, and are hidden again."""
+    event = page.evaluate_handle(_WATCH_EVENT)
     page.click(click)
-    try:  # Gradio marks the outputs of a running event with .generating
-        page.wait_for_selector(".generating", timeout=10_000)
-    except PlaywrightTimeout:
-        pass  # already over
-    page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+    page.wait_for_function("event => event.done()", arg=event, timeout=DONE_TIMEOUT_MS)
+    event.dispose()
+
+
+# Installed before an action: notes whether a status tracker within ``selector`` ever
+# shows ``text`` (a waiting event's "queue: 2/2" may show for a moment only).
+_WATCH_PROGRESS = """([selector, text]) => {
+  const state = {seen: false};
+  const look = () => {
+    const shown = document.querySelectorAll(`${selector} [data-testid=status-tracker]:not(.hide)`);
+    if ([...shown].some(tracker => tracker.textContent.includes(text))) {
+      state.seen = true;
+      observer.disconnect();
+    }
+  };
+  const observer = new MutationObserver(look);
+  observer.observe(document.body, {subtree: true, childList: true, characterData: true,
+                                   attributes: true, attributeFilter: ['class']});
+  look();
+  return state;
+}"""
+
+
+def watch_progress(page: Page, selector: str, text: str) -> JSHandle:
+    """From now on, whether the progress shown on ``selector`` ever contains ``text``:
+    read it with ``seen(handle)``."""
+    return page.evaluate_handle(_WATCH_PROGRESS, [selector, text])
+
+
+def seen(watch: JSHandle) -> bool:
+    return watch.evaluate("state => state.seen")
+
+
+def settled_box(page: Page, selector: str) -> dict[str, float]:
+    """The bounding box of the element ``selector`` once it is visible and the layout has
+    settled: the same in two animation frames in a row, web fonts loaded."""
+    expect(page.locator(selector)).to_be_visible()
+    return page.locator(selector).evaluate("""async element => {
+      await document.fonts.ready;
+      const frame = () => new Promise(resolve => requestAnimationFrame(resolve));
+      let before = '';
+      for (;;) {
+        await frame();
+        const r = element.getBoundingClientRect();
+        const now = [r.x, r.y, r.width, r.height].join();
+        if (now === before) return {x: r.x, y: r.y, width: r.width, height: r.height};
+        before = now;
+      }
+    }""")
 
 
 def send(page: Page, box: str, button: str, text: str) -> None:

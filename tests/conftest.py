@@ -1,8 +1,10 @@
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Set before torch is imported, as app.py does: the test workers, the apps and the browsers
+# share the cores, and idle OpenMP threads that spin stall them all.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
@@ -11,31 +13,27 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import h2o_chat  # noqa: F401  (registers the h2o attention)
 from h2o_chat.engine.attention import ATTENTION_NAME
 
+from .beside_repo import BesideRepository, tool_folders
 from .reference import register_reference
 
 register_reference()
 
 REPO = Path(__file__).resolve().parents[1]
-_opened_outside: list[str] = []
 
 
-def _watch_opens(event: str, args: tuple) -> None:
-    """Note every file opened beside the repository (such as ../shared/data): a user who
-    clones the project has no such folder, so no test may depend on one."""
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.path.abspath(os.fsdecode(args[0]))
-        if path.startswith(str(REPO.parent) + os.sep) and not path.startswith(str(REPO) + os.sep):
-            _opened_outside.append(path)
-
-
-sys.addaudithook(_watch_opens)
+@pytest.fixture(scope="session")
+def files_beside_repo(tmp_path_factory):
+    """The run's guard against reading what lies beside the repository (see beside_repo)."""
+    with BesideRepository(REPO, tool_folders(tmp_path_factory.getbasetemp())).watching() as guard:
+        yield guard
 
 
 @pytest.fixture(autouse=True)
-def reads_only_what_the_project_ships():
-    _opened_outside.clear()
+def reads_only_what_the_project_ships(files_beside_repo):
+    files_beside_repo.opened.clear()
     yield
-    assert not _opened_outside, f"the test opened files outside the repository: {sorted(set(_opened_outside))}"
+    opened = sorted(set(files_beside_repo.opened))
+    assert not opened, f"the test opened files outside the repository: {opened}"
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ def test_messages_sent_while_the_model_loads_show_at_once(browser, app_url):
         show_settings(page, False)
         page.fill("#chat-input textarea", "Hello?")
         page.click("#chat-send")
-        expect(page.locator("#chatbot [data-testid=user]")).to_have_text(["Hello?"], timeout=10_000)
+        expect(page.locator("#chatbot [data-testid=user]")).to_have_text(["Hello?"])
         expect(page.locator("#chatbot [data-testid=bot]")).to_have_text([WAITING])
         _still_loading(page)
 
@@ -44,8 +44,7 @@ def test_messages_sent_while_the_model_loads_show_at_once(browser, app_url):
         page.fill("#compare-input textarea", "Hi both!")
         page.click("#compare-send")
         for chat in ("compare-bounded-chat", "compare-full-chat"):
-            expect(page.locator(f"#{chat} [data-testid=user]")).to_have_text(["Hi both!"],
-                                                                             timeout=10_000)
+            expect(page.locator(f"#{chat} [data-testid=user]")).to_have_text(["Hi both!"])
             expect(page.locator(f"#{chat} [data-testid=bot]")).to_have_text([WAITING])
         _still_loading(page)
 
@@ -54,7 +53,7 @@ def test_messages_sent_while_the_model_loads_show_at_once(browser, app_url):
         page.fill("#story-text textarea", "The storm reached the island at dusk.")
         page.click("#story-continue")
         expect(page.locator("[data-testid=toast-body]", has_text="Waiting for the model to load")
-               ).to_have_count(1, timeout=10_000)
+               ).to_have_count(1)
         _still_loading(page)
 
         # Once loaded, every view answers what it was sent.

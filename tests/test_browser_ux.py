@@ -13,8 +13,8 @@ from PIL import Image
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, gauge, messages, open_app, open_tab, page_errors, send,
-    set_number, show_settings, start_and_wait, toasts,
+    LONG_COUNTING_REPLY, configure, gauge, messages, open_app, open_tab, page_errors, send,
+    set_number, settled_box, show_settings, start_and_wait, toasts,
 )
 
 
@@ -80,11 +80,10 @@ def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
     for off in ("compare-fidelity-plot", "compare-fidelity-step"):
         expect(page.locator(f"#{off}")).to_be_hidden()
     expect(page.locator("#compare-fidelity-summary")).to_contain_text("fidelity gauge off")
-    page.click("#compare-reset")
+    start_and_wait(page, "#compare-reset")  # what a reset throws arrives after the views clear
     page.wait_for_function("() => !document.querySelector('#compare-full-chat [data-testid=bot]')")
     page.wait_for_function(
         "() => document.querySelector('#compare-bounded-gauge .gauge').dataset.state === 'empty'")
-    page.wait_for_timeout(1500)  # what a reset throws arrives after the views clear
     page.check("#compare-fidelity-on input")
     send(page, "#compare-input", "#compare-send", "Name a colour.")
     assert len(messages(page, "compare-full-chat", "bot")) == 1
@@ -108,10 +107,10 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
         for tab, ids in IN_VIEW.items():
             open_tab(page, tab)
             for elem_id in ids:
-                box = page.locator(f"#{elem_id}").bounding_box()
+                box = settled_box(page, f"#{elem_id}")
                 assert box and box["y"] + box["height"] <= 768, (elem_id, box)
         open_tab(page, "Chat")
-        configure(page, max_new_tokens=300)
+        configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
         show_settings(page, False)
         page.fill("#chat-input textarea", "Count from one to two hundred in words.")
         page.press("#chat-input textarea", "Enter")
