@@ -16,15 +16,21 @@ from pathlib import Path
 import torch
 import transformers
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from h2o_chat.config import POLICIES  # noqa: E402
+from h2o_chat.config import POLICIES
 
 ORDER = list(POLICIES)  # tables list the policies in this order
 COLORS = dict(zip(POLICIES, ["black", "tab:red", "tab:blue", "tab:green"]))
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend, imported when a plot is drawn: the
+    GPU check draws none, and the GPU machine it is carried to may lack matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    return plt
 
 
 def cpu_model() -> str:
@@ -135,6 +141,7 @@ def per_passage_table(records: list[dict], phase: str, budget: str) -> str:
 
 
 def quality_plot(records: list[dict], phase: str, path: Path, title: str) -> None:
+    plt = pyplot()
     recs = [r for r in records if r["phase"] == phase and not r["per_passage"]]
     sets = [s for s in ("wikitext2", "book", "all") if any(r["set"] == s for r in recs)]
     fig, axes = plt.subplots(2, len(sets), figsize=(4.2 * len(sets), 6.4), squeeze=False)
@@ -195,6 +202,7 @@ def xsum_markdown(result: dict) -> str:
 
 
 def xsum_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     labels = sorted(result["summary"], key=_policy_key)
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / 3
@@ -225,6 +233,7 @@ def speed_markdown(result: dict) -> str:
 
 
 def speed_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     configs = list(dict.fromkeys(r["config"] for r in result["summary"]))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for config in configs:
@@ -279,6 +288,7 @@ def chat_markdown(result: dict) -> str:
 
 
 def chat_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in result["runs"]:
         x = [t["turn"] for t in run["turns"]]
@@ -324,6 +334,7 @@ def tuning_tables(records: list[dict]) -> str:
 
 
 def tuning_plot(records: list[dict], path: Path) -> None:
+    plt = pyplot()
     phases = list(dict.fromkeys(r["phase"] for r in records))
     recs = [r for r in records if not r["per_passage"] and r["set"] == "all" and r["policy"] != "full"]
     budgets = list(dict.fromkeys(r["budget"] for r in recs))
@@ -378,6 +389,7 @@ def rolling_markdown(result: dict) -> str:
 
 
 def rolling_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for run in result["runs"]:
         x = [(w["start"] + w["end"]) / 2 for w in run["windows"]]
