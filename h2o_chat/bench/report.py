@@ -52,6 +52,7 @@ def machine_info() -> dict:
         "physical_cores": psutil.cpu_count(logical=False),
         "torch_threads": torch.get_num_threads(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -63,7 +64,7 @@ def machine_line(info: dict) -> str:
     return (f"Machine: {info['cpu']}, {info['physical_cores']} cores ({info['logical_cpus']} logical), "
             f"{info['torch_threads']} torch threads, {info['memory_gb']} GB; torch {info['torch']}, "
             f"transformers {info['transformers']}; load average at start {info.get('loadavg_start')}, "
-            f"at end {info.get('loadavg')}.")
+            f"at end {info.get('loadavg')}." + (f" GPU: {info['gpu']}." if info.get("gpu") else ""))
 
 
 def write_json(out: Path, name: str, result: dict) -> Path:
@@ -97,7 +98,7 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet"]
+    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet", "gpu"]
     parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
