@@ -56,10 +56,14 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert [(r["chunk"], r["cache"]) for r in model["prefill"]] == [
         (chunk, name) for chunk in plan.prefill_chunks for name in CACHES[:2]]
 
-    assert [b["why_not"] for b in result["cuda_branches"]] == ["needs CUDA"] * 3
+    # The app's loader reads back a saved model: on the CPU its one placement, the same logits.
+    assert result["loading_branches"] == [{"branch": "model.device cpu", "ran": True, "why_not": None}]
+    (loaded,) = result["loading"]
+    assert loaded["passed"] and loaded["details"]["gap"] == 0.0 and loaded["details"]["held"] == 24
     page = (tmp_path / "gpu.md").read_text()
     assert "| kept positions equal the CPU rule for the same scores | pass |" in page
-    assert "FAIL" not in page and "not run: needs CUDA" in page
+    assert "| loads and decodes: model.device cpu | pass |" in page
+    assert "FAIL" not in page and "not run: they need CUDA" in page
 
 
 @pytest.fixture(scope="module")

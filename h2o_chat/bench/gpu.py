@@ -13,16 +13,18 @@ package is installed. Per model:
    running it (the H2O paper's throughput argument: a smaller cache fits a bigger batch);
 4. prefill tokens/s of a long prompt in chunks.
 
+Then a small random model saved as a model folder is loaded back through ``load_model``
+with every placement the device allows, CUDA-only ones included (``device_map``,
+bitsandbytes), see ``gpu_loading.py``; those that cannot run are listed with why.
+
 ``--tiny`` runs the same on a tiny model with small sizes in seconds (``make test`` does,
-on the CPU), so the check cannot rot between GPU runs. The CUDA-only branches of the code
-(``device_map``, bitsandbytes) are listed with why they did or did not run.
+on the CPU), so the check cannot rot between GPU runs.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import statistics
 import time
 import weakref
@@ -36,7 +38,7 @@ from transformers import DynamicCache
 from h2o_chat.engine.build import make_cache
 from h2o_chat.scheduler import forward_one, forward_rows
 
-from . import gpu_checks, gpu_models
+from . import gpu_checks, gpu_loading, gpu_models
 from .gpu_checks import Check, h2o_budgets, random_ids
 from .report import md_table
 from .speed import RssSampler, decode, kv_numbers, prefill, synchronize
@@ -307,26 +309,6 @@ def measure_prefill(model, plan: Plan, device: torch.device, freed: Freed, log) 
     return rows
 
 
-# ---- the CUDA-only branches --------------------------------------------------------------
-
-
-def cuda_branches(device: torch.device) -> list[dict]:
-    """The code paths that run only on CUDA, and whether this run can take them."""
-    branches = [("model.device: cuda / auto (device_map, accelerate)", "accelerate"),
-                ("model.quantization: 8bit (bitsandbytes)", "bitsandbytes"),
-                ("model.quantization: 4bit (bitsandbytes)", "bitsandbytes")]
-    result = []
-    for branch, package in branches:
-        if device.type != "cuda":
-            why = "needs CUDA"
-        elif importlib.util.find_spec(package) is None:
-            why = f"{package} is not installed"
-        else:
-            why = None
-        result.append({"branch": branch, "runnable": why is None, "why_not": why})
-    return result
-
-
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -370,9 +352,13 @@ def run(model_names: list[str], plan: Plan, device: torch.device, log=print) -> 
             log(f"gpu check: {name} skipped: {why}")
             continue
         models.append(run_model(name, plan, device, log))
+    loading, branches = gpu_loading.run(device)
+    for check in loading:
+        log(f"  {'PASS' if check.passed else 'FAIL'} {check.name}: {check.measured}")
+    checks = [c["passed"] for m in models for c in m["checks"]] + [c.passed for c in loading]
     return {"device": str(device), "device_name": device_name(device), "plan": asdict(plan), "models": models,
-            "skipped": skipped, "cuda_branches": cuda_branches(device),
-            "passed": all(c["passed"] for m in models for c in m["checks"])}
+            "skipped": skipped, "loading": [asdict(c) for c in loading], "loading_branches": branches,
+            "passed": all(checks)}
 
 
 def device_name(device: torch.device) -> str:
@@ -406,8 +392,13 @@ def markdown(result: dict) -> str:
         blocks.append(md_table(["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
                                [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]]
                                 for r in m["prefill"]]))
+    blocks.append("### Loading a saved model through load_model\n\n" + md_table(
+        ["check", "result", "measured"],
+        [[c["name"], "pass" if c["passed"] else "FAIL", c["measured"]] for c in result["loading"]]))
     notes = [f"- {s['model']}: not run: {s['why']}" for s in result["skipped"]]
-    notes += [f"- {b['branch']}: {'runnable here, not exercised by this check' if b['runnable'] else 'not run: ' + b['why_not']}"
-              for b in result["cuda_branches"]]
-    blocks.append("\n".join(notes))
+    notes += [f"- {b['branch']}: not run: {b['why_not']}" for b in result["loading_branches"] if not b["ran"]]
+    if result["device"] == "cpu":
+        notes.append("- model.device cuda and auto (device_map), model.quantization 8bit and 4bit "
+                     "(bitsandbytes): not run: they need CUDA")
+    blocks.extend(["\n".join(notes)] if notes else [])
     return "\n\n".join(blocks)
