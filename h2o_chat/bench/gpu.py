@@ -69,7 +69,7 @@ class Plan:
 PLANS = {
     "full": Plan(check_context=1024, check_steps=16, chunk=256, contexts=(4096, 16384, 32768), decode_tokens=32,
                  repeats=3, batches=(1, 4, 16, 64), history=4096, batch_steps=16, prefill_tokens=16384,
-                 prefill_chunks=(256, 2048), confirm_rows=1024),
+                 prefill_chunks=(256, 2048), confirm_rows=512),
     # A memory limit of its own keeps the tiny run's largest batches small enough to run.
     "tiny": Plan(check_context=64, check_steps=4, chunk=32, contexts=(64, 128), decode_tokens=4, repeats=2,
                  batches=(1, 4), history=96, batch_steps=2, prefill_tokens=128, prefill_chunks=(32, 64),
@@ -238,11 +238,19 @@ def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) 
         prefill(model, base, ids, plan.chunk)
         step_bytes = conversation = 0
         for count in plan.batches:
-            caches = [copy.deepcopy(base) for _ in range(count)]
-            seconds, peak = timed_steps(model, caches, plan.batch_steps, device)
+            caches = []
+            try:
+                caches = [copy.deepcopy(base) for _ in range(count)]
+                seconds, peak = timed_steps(model, caches, plan.batch_steps, device)
+            except torch.OutOfMemoryError:  # the full cache's point: it stops fitting first
+                rows.append({"cache": name, "conversations": count, "history": plan.history, "out_of_memory": True})
+                log(f"  serve {name} x {count}: out of memory")
+                del caches
+                freed.settle()
+                continue
             conversation = kv_numbers(caches[0])[0]
             step_bytes = max(0, peak.peak - peak.start) / count
-            rows.append({"cache": name, "conversations": count, "history": plan.history,
+            rows.append({"cache": name, "conversations": count, "history": plan.history, "out_of_memory": False,
                          "aggregate_tok_s": count * plan.batch_steps / seconds,
                          "per_row_tok_s": plan.batch_steps / seconds,
                          "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
@@ -266,7 +274,8 @@ def largest_batch(model, base, name: str, conversation: int, step_bytes: float, 
     bytes and a step's bytes per row, then run (at most ``plan.confirm_rows`` rows; 10%
     fewer after each out-of-memory error)."""
     free = free_memory(device) if plan.memory_mb is None else plan.memory_mb * MB
-    projected = int(free * MEMORY_MARGIN // (conversation + step_bytes))
+    # No conversation measured (one alone did not fit): nothing to project from.
+    projected = int(free * MEMORY_MARGIN // (conversation + step_bytes)) if conversation else 0
     rows = min(projected, plan.confirm_rows)
     result = {"cache": name, "memory_mb": free / MB, "conversation_mb": conversation / MB,
               "step_mb_per_row": step_bytes / MB, "projected": projected, "confirmed": None, "aggregate_tok_s": None}
@@ -383,7 +392,8 @@ def markdown(result: dict) -> str:
                                  r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]))
         blocks.append(md_table(["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated",
                                 "step MiB per row"],
-                               [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
+                               [[r["conversations"], r["cache"], "out of memory", "", "", ""] if r["out_of_memory"] else
+                                [r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
                                  r["step_mb_per_row"]] for r in m["serving"]]))
         blocks.append(md_table(["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation",
                                 "memory MiB"],
