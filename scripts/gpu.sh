@@ -19,7 +19,7 @@ ENV=${GPU_ENV:-.gpu-env}
 # What the check imports beyond torch (which the GPU machine has, with CUDA, and which is
 # far too big to carry), at the versions requirements.txt pins. accelerate takes
 # device_map; gguf reads the embedded model's file where that package is installed.
-PACKAGES="transformers safetensors PyYAML psutil gguf accelerate"
+PACKAGES="transformers tokenizers safetensors PyYAML psutil gguf accelerate"
 
 pins() {
     for name in $PACKAGES; do
