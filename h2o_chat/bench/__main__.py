@@ -3,7 +3,8 @@
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), bytes (8: quality at equal memory,
-storage precision and eviction), or all. Each comparison runs in one process on the same inputs for every policy
+storage precision and eviction), or all; and gpu (the GPU check, run only when named:
+``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
 
@@ -18,14 +19,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from h2o_chat.loading import load_model
+from h2o_chat.loading import load_model, set_torch_threads
 
-from . import data, equal_bytes, long_chat, report, rolling, serve, speed, streaming, xsum
+from . import data, equal_bytes, gpu, gpu_models, long_chat, report, rolling, serve, speed, streaming, xsum
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the issue's protocol.
@@ -88,12 +90,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
     p.add_argument("--byte-contexts", help="bytes: comma list of contexts whose decode speed is timed ('': none)")
     p.add_argument("--threads", type=int, help="torch threads (default: the app's, one per physical core)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="gpu: where the check runs (default cuda)")
+    p.add_argument("--tiny", action="store_true",
+                   help="gpu: a tiny model and small sizes, seconds on a CPU (what make test runs)")
+    p.add_argument("--gpu-models", help=f"gpu: comma list of {', '.join(gpu_models.MODEL_NAMES)} "
+                                        "(default 1b,8b,smollm2; tiny with --tiny)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if "all" in args.comparisons:
-        args.comparisons = COMPARISONS
+        args.comparisons = [c for c in COMPARISONS if c not in ON_REQUEST]
+    if args.gpu_models is None:
+        args.gpu_models = "tiny" if args.tiny else "1b,8b,smollm2"
+    unknown = set(args.gpu_models.split(",")) - set(gpu_models.MODEL_NAMES)
+    if unknown:
+        p.error(f"--gpu-models: unknown {sorted(unknown)}; choose from {', '.join(gpu_models.MODEL_NAMES)}")
     args.out = args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
@@ -122,12 +134,26 @@ Page = tuple[str, str, str]  # results name, title, markdown body
 
 @dataclass(frozen=True)
 class Bench:
-    """What every comparison reads: the flags, the model and the extra variant, if any."""
+    """What every comparison reads: the flags, the extra variant, if any, and the app's
+    model, loaded when a comparison first asks for it (the GPU check builds its own)."""
 
     args: argparse.Namespace
-    model: Any
-    tokenizer: Any
     extra: Callable[[int], Variant] | None
+
+    @cached_property
+    def _loaded(self) -> tuple[Any, Any]:
+        model, tokenizer = load_model()
+        if self.args.threads:
+            torch.set_num_threads(self.args.threads)
+        return model, tokenizer
+
+    @property
+    def model(self) -> Any:
+        return self._loaded[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded[1]
 
 
 @dataclass(frozen=True)
@@ -229,8 +255,17 @@ TABLE: dict[str, Comparison] = {
                                   [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
                                   b.args.repeats, b.args.articles, log=log),
         equal_bytes.plot, equal_bytes.markdown),
+    "gpu": Comparison("gpu", lambda b: ("gpu", _run_gpu(b.args)), lambda b, result: [
+        ("gpu", "The GPU check: correctness, decode, serving and prefill on the device", gpu.markdown(result))]),
 }
 COMPARISONS = list(TABLE)
+# Left out of "all": it builds models of its own, sized for a GPU.
+ON_REQUEST = {"gpu"}
+
+
+def _run_gpu(args: argparse.Namespace) -> dict:
+    plan = gpu.PLANS["tiny" if args.tiny else "full"]
+    return gpu.run(args.gpu_models.split(","), plan, torch.device(args.device), log=log)
 
 
 def main(argv=None) -> int:
@@ -242,13 +277,12 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model, tokenizer = load_model()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args.threads)  # the app's rule unless told; loading the model applies it again
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"results -> {args.out}  ({args.mode} mode, {torch.get_num_threads()} torch threads)")
-    bench = Bench(args, model, tokenizer, variant_factory(args.variant))
+    bench = Bench(args, variant_factory(args.variant))
     command = "python -m h2o_chat.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    failed = []
     for comparison in dict.fromkeys(TABLE[name] for name in COMPARISONS if name in args.comparisons):
         started, loadavg_start = time.perf_counter(), list(os.getloadavg())
         name, result = comparison.measure(bench)
@@ -259,8 +293,10 @@ def main(argv=None) -> int:
         for page, title, body in comparison.pages(bench, result):
             report.write_markdown(args.out, page, title, body, machine)
         log(f"{comparison.label} done in {time.perf_counter() - started:.0f}s")
-    log(f"done: {args.out / 'index.md'}")
-    return 0
+        if result.get("passed") is False:  # a comparison with checks of its own (gpu)
+            failed.append(comparison.label)
+    log(f"done: {args.out / 'index.md'}" + (f"; checks FAILED in {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 
-import matplotlib.pyplot as plt
 import torch
 
 from h2o_chat.config import CacheConfig
@@ -37,7 +36,7 @@ from h2o_chat.engine.quant import KVStorage
 from h2o_chat.loading import eos_token_ids
 
 from . import data
-from .report import md_table
+from .report import md_table, pyplot
 from .speed import decode, prefill
 from .streaming import full_records, passage_records, phase_pass, reference_logprobs, run_budget
 from .variants import Variant
@@ -248,6 +247,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
+    plt = pyplot()
     phases = result["config"]["phases"]
     fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4), squeeze=False)
     for ax, phase in zip(axes[0], phases):

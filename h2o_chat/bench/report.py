@@ -16,15 +16,21 @@ from pathlib import Path
 import torch
 import transformers
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from h2o_chat.config import POLICIES  # noqa: E402
+from h2o_chat.config import POLICIES
 
 ORDER = list(POLICIES)  # tables list the policies in this order
 COLORS = dict(zip(POLICIES, ["black", "tab:red", "tab:blue", "tab:green"]))
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend, imported when a plot is drawn: the
+    GPU check draws none, and the GPU machine it is carried to may lack matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    return plt
 
 
 def cpu_model() -> str:
@@ -46,6 +52,7 @@ def machine_info() -> dict:
         "physical_cores": psutil.cpu_count(logical=False),
         "torch_threads": torch.get_num_threads(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -57,7 +64,7 @@ def machine_line(info: dict) -> str:
     return (f"Machine: {info['cpu']}, {info['physical_cores']} cores ({info['logical_cpus']} logical), "
             f"{info['torch_threads']} torch threads, {info['memory_gb']} GB; torch {info['torch']}, "
             f"transformers {info['transformers']}; load average at start {info.get('loadavg_start')}, "
-            f"at end {info.get('loadavg')}.")
+            f"at end {info.get('loadavg')}." + (f" GPU: {info['gpu']}." if info.get("gpu") else ""))
 
 
 def write_json(out: Path, name: str, result: dict) -> Path:
@@ -91,7 +98,7 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet"]
+    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet", "gpu"]
     parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
@@ -135,6 +142,7 @@ def per_passage_table(records: list[dict], phase: str, budget: str) -> str:
 
 
 def quality_plot(records: list[dict], phase: str, path: Path, title: str) -> None:
+    plt = pyplot()
     recs = [r for r in records if r["phase"] == phase and not r["per_passage"]]
     sets = [s for s in ("wikitext2", "book", "all") if any(r["set"] == s for r in recs)]
     fig, axes = plt.subplots(2, len(sets), figsize=(4.2 * len(sets), 6.4), squeeze=False)
@@ -195,6 +203,7 @@ def xsum_markdown(result: dict) -> str:
 
 
 def xsum_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     labels = sorted(result["summary"], key=_policy_key)
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / 3
@@ -225,6 +234,7 @@ def speed_markdown(result: dict) -> str:
 
 
 def speed_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     configs = list(dict.fromkeys(r["config"] for r in result["summary"]))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for config in configs:
@@ -279,6 +289,7 @@ def chat_markdown(result: dict) -> str:
 
 
 def chat_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in result["runs"]:
         x = [t["turn"] for t in run["turns"]]
@@ -324,6 +335,7 @@ def tuning_tables(records: list[dict]) -> str:
 
 
 def tuning_plot(records: list[dict], path: Path) -> None:
+    plt = pyplot()
     phases = list(dict.fromkeys(r["phase"] for r in records))
     recs = [r for r in records if not r["per_passage"] and r["set"] == "all" and r["policy"] != "full"]
     budgets = list(dict.fromkeys(r["budget"] for r in recs))
@@ -378,6 +390,7 @@ def rolling_markdown(result: dict) -> str:
 
 
 def rolling_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for run in result["runs"]:
         x = [(w["start"] + w["end"]) / 2 for w in run["windows"]]

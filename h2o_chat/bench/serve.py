@@ -31,6 +31,7 @@ from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_r
 from h2o_chat.session import ChatSession
 
 from . import data
+from .report import pyplot
 from .speed import RssSampler
 
 # Each mode's cache settings; "take turns" runs one forward pass at a time (the app
@@ -225,11 +226,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = pyplot()
     configs = list(dict.fromkeys((r["conversations"], r["history"]) for r in result["runs"]))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(configs)), 3.8))
     width = 0.8 / len(MODES)

@@ -90,10 +90,19 @@ def kv_numbers(cache) -> tuple[int, int, int]:
     return nbytes, nbytes, cache.get_seq_length()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: CUDA runs kernels asynchronously, so a clock
+    read without this would stop before the last of them ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Feed ``ids`` in pieces of ``chunk`` tokens; the last token's logits, once computed."""
     with torch.inference_mode():
         for piece in ids.split(chunk, dim=1):
             logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    synchronize(logits.device)
     return logits
 
 
@@ -104,6 +113,7 @@ def decode(model, cache, logits: torch.Tensor, n: int) -> float:
         for _ in range(n):
             token = logits.argmax(-1, keepdim=True)
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        synchronize(logits.device)
         return time.perf_counter() - started
 
 

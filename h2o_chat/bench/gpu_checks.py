@@ -1,0 +1,219 @@
+"""Correctness of the engine on the device the GPU check runs on (``gpu.py``).
+
+- **the tolerance**: how far bfloat16 rounding alone moves this model's logits, measured
+  against the same weights cast to float32; two bfloat16 paths must agree within a few
+  times that.
+- **h2o equals sdpa**: an h2o cache whose budget exceeds the context never evicts, so its
+  logits (explicit float32 softmax, scores kept) must equal the full cache's (the fused
+  sdpa kernel) within that tolerance, prompt chunks and decode steps alike.
+- **batched rows equal each row alone**: conversations of different lengths, policies and
+  storage precisions decoding as one batch (``forward_rows``, what the scheduler runs)
+  against each decoding alone (``forward_one``) from copies of the same caches.
+- **kept positions equal the CPU rule**: a cache holds its eviction, its scores and slots
+  are copied to the CPU, the CPU evicts them (``evict_slots``) and the device evicts its
+  own: every layer, row and KV head must keep the same positions, for a prompt chunk (the
+  sorting path) and a decode step (the sort-free ``drop_one``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_chat.engine.build import cache_for_policy, make_cache
+from h2o_chat.engine.budget import split_slots
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.slots import evict_slots
+from h2o_chat.scheduler import forward_one, forward_rows
+
+# Two code paths in bfloat16 may each stray from the exact logits as far as rounding
+# moves them (measured against the same weights in float32, ``rounding_noise``): they must
+# agree within this many times that, and never less than FLOOR. A wrong mask or a
+# forgotten token moves the logits many times further (tens of times on the tiny model).
+NOISE_FACTOR = 3.0
+FLOOR = 1e-3
+SINK = 4
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    measured: str  # the figures the verdict rests on, in words
+    details: dict = field(default_factory=dict)
+
+
+def logits_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference of ``got`` from ``want``, relative to ``want``'s largest
+    absolute logit."""
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def random_ids(model, length: int, device: torch.device, seed: int, rows: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(model.config.vocab_size, (rows, length), generator=generator).to(device)
+
+
+def h2o_budgets(slots: int) -> dict[str, int]:
+    """h2o's sink, heavy and recent for ``slots`` slots: the engine's even split."""
+    return split_slots("h2o", slots, SINK)
+
+
+def _logits(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+
+@contextmanager
+def parameters_in(model, dtype: torch.dtype) -> Iterator[None]:
+    """The model's parameters cast to ``dtype`` while inside, then back (bfloat16 to float32
+    and back is exact). Buffers such as RoPE frequencies keep their own dtype."""
+    original = {param: param.dtype for param in model.parameters()}
+    with torch.no_grad():
+        for param in original:
+            param.data = param.data.to(dtype)
+        try:
+            yield
+        finally:
+            for param, param_dtype in original.items():
+                param.data = param.data.to(param_dtype)
+
+
+def _pieces(ids: torch.Tensor, context: int, chunk: int) -> list[torch.Tensor]:
+    """The first ``context`` tokens in chunks, then one token at a time."""
+    return list(ids[:, :context].split(chunk, dim=1)) + list(ids[:, context:].split(1, dim=1))
+
+
+def rounding_noise(model, ids: torch.Tensor, context: int, chunk: int) -> float:
+    """How far the model's own dtype moves its logits (full cache, sdpa) from the same
+    weights in float32, as ``logits_gap`` over ``ids`` fed as ``_pieces``."""
+    pieces = _pieces(ids, context, chunk)
+    with torch.inference_mode():
+        cache = make_cache(model, "full")
+        low = [_logits(model, cache, piece) for piece in pieces]
+        with parameters_in(model, torch.float32):
+            cache = make_cache(model, "full")
+            return max(logits_gap(got, _logits(model, cache, piece)) for got, piece in zip(low, pieces))
+
+
+def h2o_equals_sdpa(model, ids: torch.Tensor, context: int, chunk: int, tolerance: float) -> Check:
+    steps = ids.shape[1] - context
+    full = make_cache(model, "full")
+    # Above the context: never evicts. Built around the policy, since make_cache refuses
+    # budgets past a model's trained context.
+    scored = cache_for_policy(model, make_policy("h2o", **h2o_budgets(2 * (context + steps))))
+    gap = 0.0
+    with torch.inference_mode():
+        for piece in _pieces(ids, context, chunk):
+            gap = max(gap, logits_gap(_logits(model, scored, piece), _logits(model, full, piece)))
+    return Check("h2o (budget above the context) equals sdpa", gap <= tolerance,
+                 f"largest logit gap {gap:.4f} of the largest logit over {context} prompt tokens in "
+                 f"{chunk}-token chunks and {steps} decode steps (tolerance {tolerance:.4f})",
+                 {"gap": gap, "tolerance": tolerance, "context": context, "steps": steps})
+
+
+def _row_caches(model, context: int) -> list[tuple[str, H2OCache]]:
+    """Four conversations unlike each other: lengths, policies, precisions."""
+    budget = h2o_budgets(max(SINK + 2, context // 4))
+    return [
+        ("h2o", make_cache(model, "h2o", **budget)),
+        ("h2o K8/V4", make_cache(model, "h2o", key_bits=8, value_bits=4, **budget)),
+        ("full", make_cache(model, "full")),
+        ("h2o", make_cache(model, "h2o", **budget)),
+    ]
+
+
+def batched_rows_equal_alone(model, context: int, steps: int, chunk: int, device: torch.device,
+                             tolerance: float) -> Check:
+    rows = _row_caches(model, context)
+    lengths = [context - i * context // (2 * len(rows)) for i in range(len(rows))]
+    with torch.inference_mode():
+        last = []
+        for (_, cache), length in zip(rows, lengths):
+            for piece in random_ids(model, length, device, seed=length).split(chunk, dim=1):
+                logits = forward_one(model, cache, piece)
+            last.append(logits)
+        batched = [cache for _, cache in rows]
+        alone = copy.deepcopy(batched)
+        gap = 0.0
+        for _ in range(steps):
+            tokens = torch.stack([logits.argmax(-1) for logits in last])[:, None]
+            together = forward_rows(model, batched, tokens)
+            last = [forward_one(model, cache, tokens[r : r + 1]) for r, cache in enumerate(alone)]
+            gap = max(gap, max(logits_gap(got, want) for got, want in zip(together, last)))
+    same, sets = _same_positions(batched, alone)
+    return Check("batched rows equal each row alone", gap <= tolerance,
+                 f"largest logit gap {gap:.4f} over {steps} decode steps of {len(rows)} rows "
+                 f"({', '.join(f'{name} at {n}' for (name, _), n in zip(rows, lengths))} tokens; "
+                 f"tolerance {tolerance:.4f}); kept positions identical in {same} of {sets} "
+                 "(layer, row, KV head) sets, where bfloat16 rounding may flip near-tied scores",
+                 {"gap": gap, "tolerance": tolerance, "rows": [name for name, _ in rows],
+                  "lengths": lengths, "same_position_sets": same, "position_sets": sets})
+
+
+def _same_positions(caches: list[H2OCache], others: list[H2OCache]) -> tuple[int, int]:
+    same = total = 0
+    for cache, other in zip(caches, others):
+        for mine, theirs in zip(cache.stats().layers, other.stats().layers):
+            equal = (mine.positions == theirs.positions).all(dim=-1)
+            same, total = same + int(equal.sum()), total + equal.numel()
+    return same, total
+
+
+def _cpu_kept(cache: H2OCache) -> list[torch.Tensor]:
+    """Per layer, the positions the CPU rule keeps of the cache's slots as they are now."""
+    kept = []
+    for layer in cache.layers:
+        buffers = {name: t.to("cpu", copy=True) for name, t in layer.held_slots().items()}
+        held = evict_slots(buffers, layer.held, cache.policy, None)
+        kept.append(buffers["positions"][:, :, :held].sort(dim=-1).values)
+    return kept
+
+
+def _evict_both(model, cache: H2OCache, ids: torch.Tensor) -> tuple[int, int]:
+    """Feed ``ids`` with eviction held, then evict on the CPU (copies) and on the device;
+    the (layer, KV head) sets that agree, and all of them."""
+    with torch.inference_mode():
+        cache.hold_eviction(True)
+        forward_one(model, cache, ids)
+        want = _cpu_kept(cache)
+        cache.hold_eviction(False)
+    got = [layer.positions.cpu() for layer in cache.stats().layers]
+    same = sum(int((g == w).all(dim=-1).sum()) for g, w in zip(got, want) if g.shape == w.shape)
+    return same, sum(w.shape[0] * w.shape[1] for w in want)
+
+
+def kept_positions_equal_cpu_rule(model, context: int, chunk: int, device: torch.device) -> Check:
+    slots = max(SINK + 2, context // 4)
+    cache = make_cache(model, "h2o", **h2o_budgets(slots))
+    ids = random_ids(model, context + chunk + 1, device, seed=7)
+    with torch.inference_mode():
+        for piece in ids[:, :context].split(chunk, dim=1):
+            forward_one(model, cache, piece)
+    chunk_same, chunk_sets = _evict_both(model, cache, ids[:, context : context + chunk])
+    step_same, step_sets = _evict_both(model, cache, ids[:, -1:])
+    passed = chunk_same == chunk_sets and step_same == step_sets
+    return Check("kept positions equal the CPU rule for the same scores", passed,
+                 f"identical in {chunk_same} of {chunk_sets} (layer, KV head) sets after a {chunk}-token "
+                 f"chunk and {step_same} of {step_sets} after a decode step, {slots} slots, "
+                 f"{context} tokens before",
+                 {"chunk": [chunk_same, chunk_sets], "decode_step": [step_same, step_sets], "slots": slots})
+
+
+def run(model, context: int, steps: int, chunk: int, device: torch.device) -> list[Check]:
+    ids = random_ids(model, context + steps, device, seed=1)
+    noise = rounding_noise(model, ids, context, chunk)
+    tolerance = max(NOISE_FACTOR * noise, FLOOR)
+    rounding = Check(f"rounding of {str(model.dtype).removeprefix('torch.')} measured", True,
+                     f"largest logit gap {noise:.4f} from the same weights in float32 (sdpa, full cache): "
+                     f"the tolerance below is {NOISE_FACTOR:g} times that, at least {FLOOR:g}",
+                     {"noise": noise, "tolerance": tolerance})
+    return [rounding,
+            h2o_equals_sdpa(model, ids, context, chunk, tolerance),
+            batched_rows_equal_alone(model, context, steps, chunk, device, tolerance),
+            kept_positions_equal_cpu_rule(model, context, chunk, device)]

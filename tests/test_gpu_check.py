@@ -1,0 +1,97 @@
+"""The GPU check (python -m h2o_chat.bench gpu) in its CPU variant, so it cannot rot
+between runs on a GPU: its correctness checks pass, its tables have every row, and its
+tolerance tells bfloat16 rounding from a cache that forgets."""
+
+import json
+
+import pytest
+import torch
+
+from h2o_chat.bench import gpu, gpu_checks, gpu_models
+from h2o_chat.bench.__main__ import main
+from h2o_chat.engine.build import make_cache
+
+CHECKS = ["rounding of bfloat16 measured", "h2o (budget above the context) equals sdpa",
+          "batched rows equal each row alone", "kept positions equal the CPU rule for the same scores",
+          "memory freed between runs"]
+CACHES = ["full", "h2o 20%", "h2o 20% K8/V4"]
+
+
+def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
+    assert main(["gpu", "--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    plan = gpu.PLANS["tiny"]
+    assert result["passed"] is True and result["device"] == "cpu" and result["skipped"] == []
+    (model,) = result["models"]
+    assert model["model"] == "tiny" and model["dtype"] == "torch.bfloat16"
+    assert [c["name"] for c in model["checks"]] == CHECKS
+    assert all(c["passed"] for c in model["checks"]), model["checks"]
+    positions = next(c for c in model["checks"] if c["name"] == CHECKS[3])["details"]
+    assert positions["chunk"][0] == positions["chunk"][1] > 0
+    assert positions["decode_step"][0] == positions["decode_step"][1] > 0
+
+    assert [(r["context"], r["cache"]) for r in model["decode"]] == [
+        (c, name) for c in plan.contexts for name in [*CACHES, "stock DynamicCache"]]
+    assert all(r["decode_tok_s"] > 0 and r["peak_mb"] > 0 for r in model["decode"])
+    for row in model["decode"]:  # a bounded cache holds its budget, the full one everything
+        expected = int(row["context"] * plan.share) if row["cache"].startswith("h2o") else None
+        if expected is not None:
+            assert row["held"] == expected
+        elif row["cache"] == "full":
+            assert row["held"] == row["context"] + 1 + plan.repeats * plan.decode_tokens
+    assert [(r["conversations"], r["cache"]) for r in model["serving"]] == [
+        (n, name) for name in CACHES for n in plan.batches]
+    for row in model["serving"]:
+        one = next(r for r in model["serving"] if r["cache"] == row["cache"] and r["conversations"] == 1)
+        assert row["kv_mb"] == pytest.approx(one["kv_mb"] * row["conversations"])
+        assert row["aggregate_tok_s"] == pytest.approx(row["per_row_tok_s"] * row["conversations"])
+    largest = {r["cache"]: r for r in model["largest_batch"]}
+    assert list(largest) == CACHES
+    for row in largest.values():  # projected from the bytes, run up to the cap
+        assert row["projected"] == int(plan.memory_mb * gpu.MB * gpu.MEMORY_MARGIN
+                                       // (row["conversation_mb"] * gpu.MB + row["step_mb_per_row"] * gpu.MB))
+        assert row["confirmed"] == min(row["projected"], plan.confirm_rows)
+    # Smaller conversations fit more of them: the paper's throughput argument.
+    assert largest["full"]["projected"] < largest["h2o 20%"]["projected"] < largest["h2o 20% K8/V4"]["projected"]
+    assert [(r["chunk"], r["cache"]) for r in model["prefill"]] == [
+        (chunk, name) for chunk in plan.prefill_chunks for name in CACHES[:2]]
+
+    # The app's loader reads back a saved model: on the CPU its one placement, the same logits.
+    assert result["loading_branches"] == [{"branch": "model.device cpu", "ran": True, "why_not": None}]
+    (loaded,) = result["loading"]
+    assert loaded["passed"] and loaded["details"]["gap"] == 0.0 and loaded["details"]["held"] == 24
+    page = (tmp_path / "gpu.md").read_text()
+    assert "| kept positions equal the CPU rule for the same scores | pass |" in page
+    assert "| loads and decodes: model.device cpu | pass |" in page
+    assert "FAIL" not in page and "not run: they need CUDA" in page
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    return gpu_models.build(gpu_models.SHAPES["tiny"], torch.device("cpu"))
+
+
+def test_tolerance_tells_rounding_from_forgetting(tiny_bf16):
+    """The h2o-equals-sdpa check would fail on a cache that forgot a tenth of the tokens."""
+    context, cpu = 90, torch.device("cpu")
+    ids = gpu_checks.random_ids(tiny_bf16, context + 4, cpu, seed=1)
+    tolerance = gpu_checks.NOISE_FACTOR * gpu_checks.rounding_noise(tiny_bf16, ids, context, 32)
+    assert gpu_checks.h2o_equals_sdpa(tiny_bf16, ids, context, 32, tolerance).passed
+    forgetting, full = make_cache(tiny_bf16, "h2o", **gpu_checks.h2o_budgets(81)), make_cache(tiny_bf16, "full")
+    gaps = []
+    with torch.inference_mode():
+        for cache in (forgetting, full):  # evicts 9 tokens after the last chunk
+            for piece in ids[:, :context].split(32, dim=1):
+                tiny_bf16(piece, past_key_values=cache)
+        for token in ids[:, context:].split(1, dim=1):
+            gaps.append(gpu_checks.logits_gap(tiny_bf16(token, past_key_values=forgetting).logits,
+                                              tiny_bf16(token, past_key_values=full).logits))
+    assert max(gaps) > 3 * tolerance
+
+
+def test_parameters_in_float32_and_back_is_exact(tiny_bf16):
+    before = {name: p.clone() for name, p in tiny_bf16.named_parameters()}
+    with gpu_checks.parameters_in(tiny_bf16, torch.float32):
+        assert all(p.dtype == torch.float32 for p in tiny_bf16.parameters())
+    for name, param in tiny_bf16.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, before[name])
