@@ -219,7 +219,7 @@ def markdown(result: dict) -> str:
                   "all", "top-1 agree", "KL(full‖cache)"]
         rows = []
         for (budget, label), r in table["all"].items():
-            rows.append([budget, label, r["slots"] or "all", f"{r['held_bytes_per_row'] / 2**20:.2f} MB "
+            rows.append([budget, label, r["slots"] or "all", f"{r['held_bytes_per_row'] / 2**20:.2f} MiB "
                          f"({r['share']:.1%})"]
                         + [f"{ratio(records, phase, s, budget, label):.3f}×" for s in ("wikitext2", "book", "all")]
                         + [f"{r['top1']:.1%}", f"{r['kl']:.4f}"])
@@ -229,7 +229,7 @@ def markdown(result: dict) -> str:
         rows = []
         for r in result["speed"]:
             same = {s["config"]: s for s in result["speed"] if s["context"] == r["context"]}
-            rows.append([r["context"], r["config"], r["slots"] or "all", f"{r['held_bytes'] / 2**20:.2f} MB",
+            rows.append([r["context"], r["config"], r["slots"] or "all", f"{r['held_bytes'] / 2**20:.2f} MiB",
                          f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / same['full float32']['decode_tok_s']:.2f}×",
                          f"{r['decode_tok_s'] / same['h2o float32']['decode_tok_s']:.2f}×"])
         blocks.append("**decode speed** (median of alternating runs)\n\n" + md_table(
