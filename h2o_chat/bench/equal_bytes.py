@@ -259,6 +259,12 @@ def plot(result: dict, path) -> None:
         ax.axhline(1, color="black", ls="--", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="share of the full cache's bytes", ylabel="perplexity / full",
                title=phase)
+        # Ticks at the measured shares, as plain numbers: log axes label every minor tick.
+        shares = sorted({round(r["share"], 3) for r in table.values()})
+        ax.set_xticks(shares, [f"{s:.1%}" for s in shares], fontsize=7, rotation=45)
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.2f}×"))
+        ax.yaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:.1f}×"))
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
