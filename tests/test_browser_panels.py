@@ -119,6 +119,9 @@ def _choose(page, elem_id: str, option: str) -> None:
     page.locator(f"#{elem_id} input").click()
     page.get_by_role("option", name=option, exact=True).click()
     expect(page.locator(f"#{elem_id} input")).to_have_value(option)
+    # The list closes after the choice; until it has, a second dropdown's options would
+    # share names with this one's.
+    expect(page.get_by_role("option")).to_have_count(0)
 
 
 def test_compare_at_equal_bytes_with_8_and_4_bit_slots(page):
