@@ -40,6 +40,7 @@ class _Request:
     cache: Cache
     ids: torch.Tensor  # (1, n) token ids
     fed: int = 0  # of which the worker has fed (a prompt goes in pieces)
+    stop: threading.Event | None = None  # set: feed no further piece of a prompt
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None  # (vocab,) of the last token, once run
     error: BaseException | None = None
@@ -57,7 +58,8 @@ class TakeTurns:
     def turn(self) -> Iterator[None]:
         yield
 
-    def forward(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, cache: Cache, ids: torch.Tensor, stop: threading.Event | None = None) -> torch.Tensor:
+        """``BatchScheduler.forward``, in one pass: ``stop`` cannot cut it short."""
         with self._lock, torch.inference_mode():
             return forward_one(self.model, cache, ids)
 
@@ -91,12 +93,15 @@ class BatchScheduler:
                 self._turns -= 1
                 self._changed.notify_all()
 
-    def forward(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, cache: Cache, ids: torch.Tensor, stop: threading.Event | None = None
+                ) -> torch.Tensor | None:
         """Feed ``ids`` ``(1, n)`` to ``cache`` and return the logits of the last token,
-        ``(vocab,)``, once the worker has run it (alone or in a batch)."""
+        ``(vocab,)``, once the worker has run it (alone or in a batch). None when ``stop``
+        was set before the prompt's last piece: the cache then holds the pieces fed
+        before (``cache.get_seq_length()`` says how far it got), evicted to its budget."""
         if ids.shape[1] < 1:  # the worker would never take it, and the caller wait for ever
             raise ValueError("forward needs at least one token")
-        request = _Request(cache, ids)
+        request = _Request(cache, ids, stop=stop)
         with self._changed:
             self._pending.append(request)
             self._start_worker()
@@ -144,7 +149,10 @@ class BatchScheduler:
         model = self._model()  # alive: every caller holds it
         with torch.inference_mode():
             for prompt in prompts:
-                self._feed_piece(model, prompt, min(prompt.ids.shape[1], prompt.fed + self.prefill_piece))
+                if prompt.stop is not None and prompt.stop.is_set():
+                    _give_up(prompt)
+                else:
+                    self._feed_piece(model, prompt, min(prompt.ids.shape[1], prompt.fed + self.prefill_piece))
             if len(decode) == 1:
                 _settle(decode, lambda: [forward_one(model, decode[0].cache, decode[0].ids)])
             elif decode:
@@ -182,6 +190,16 @@ def _work(scheduler_ref: weakref.ref) -> None:
         if step is not None:
             scheduler._run(*step)
         del scheduler  # not held while idle, so it can be freed
+
+
+def _give_up(prompt: _Request) -> None:
+    """Answer a stopped prompt with what it has fed so far (no logits)."""
+    try:
+        if prompt.fed:  # pieces went in with eviction held: bring the cache to its budget
+            prompt.cache.hold_eviction(False)
+    except BaseException as err:
+        prompt.error = err
+    prompt.done.set()
 
 
 def _settle(requests: list[_Request], run) -> None:

@@ -146,15 +146,16 @@ class Session:
 
     def stop(self) -> None:
         """Stop the current turn after the forward pass under way (any thread): a token
-        being generated (the token it predicts is still sampled), or one chunk of the
-        prefill (the rest stays unfed, read on the next send or continue)."""
+        being generated (the token it predicts is still sampled), or one piece of the
+        prefill (the rest stays unfed, read on the next send or continue). A turn not
+        begun yet is not stopped by it: pass a ``stop`` event to ``send`` for that."""
         self._stop.set()
 
     def prefill(self) -> None:
         """Feed the tokens the cache has not seen yet (history given to the constructor,
         a resumed file's unfed tokens) now rather than at the next send."""
         with self.between_turns("prefill"):
-            self._stop.clear()  # a Stop of the last turn must not cut this short; a new one may
+            self._stop = threading.Event()  # a Stop of the last turn must not cut this short
             if self.fed < len(self.tokens):
                 self._feed_unfed()
 
@@ -265,7 +266,10 @@ class Session:
             if self._stop.is_set():
                 return None  # consistent as it stands: the cache saw tokens[:fed]
             try:
-                logits = self.runner.forward(self.cache, chunk)
+                logits = self.runner.forward(self.cache, chunk, self._stop)
+                if logits is None:  # stopped between two pieces of the chunk
+                    self.fed = self.cache.get_seq_length()
+                    return None
                 if self.observer is not None:
                     self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], logits)
             except BaseException:
@@ -298,14 +302,17 @@ class Session:
             self._rebuild_cache(length)
         del self.tokens[length:]
 
-    def _generate(self, new_tokens: list[int], sampling: Sampling,
-                  pin: tuple[int, int] | None = None, extend: bool = False) -> Iterator[str]:
+    def _generate(self, new_tokens: list[int], sampling: Sampling, pin: tuple[int, int] | None = None,
+                  extend: bool = False, stop: threading.Event | None = None) -> Iterator[str]:
         """Append ``new_tokens`` (pinning ``new_tokens[pin[0]:pin[1]]`` if given), then
         stream the decoded text of up to ``sampling.max_new_tokens`` generated tokens,
         collected in ``self.reply`` (including a final end-of-turn token); ``extend`` adds
-        them to the last reply instead of starting a new one. Callers hold
-        ``self._turn_lock``."""
-        self._stop.clear()
+        them to the last reply instead of starting a new one. ``stop`` is the turn's stop
+        event (``stop()`` sets it too); without one the turn gets a fresh one. Callers
+        hold ``self._turn_lock``."""
+        # A Stop of the last turn must not cut this one short; the caller's may, even one
+        # set before the turn began (a client gone while its request waited).
+        self._stop = stop if stop is not None else threading.Event()
         length = len(self.tokens)
         before = (self.reply, self.finish_reason)
         self.tokens.extend(new_tokens)
@@ -422,14 +429,16 @@ class ChatSession(Session):
             super().restore(tokens, fed)
             self._template_text = template_text
 
-    def send(self, text: str, pin: bool = False, **sampling) -> Iterator[str]:
+    def send(self, text: str, pin: bool = False, stop: threading.Event | None = None,
+             **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
-        pins the message's tokens (its content, not the template around it)."""
+        pins the message's tokens (its content, not the template around it); ``stop``,
+        once set, ends the turn (set before it begins, nothing is fed)."""
         if not check_chat_turn(text, self.messages, self.limits).strip():
             raise InputError("message is empty: type something to send", "the message")
-        return self._turn(text, Sampling(**sampling), pin)
+        return self._turn(text, Sampling(**sampling), pin, stop)
 
-    def continue_reply(self, **sampling) -> Iterator[str]:
+    def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:
         the cache holds it already, so decoding goes on after its last token (nothing is
         read again) and the chunks extend the same assistant message. Greedy, a reply cut
@@ -438,9 +447,10 @@ class ChatSession(Session):
             raise InputError("nothing to continue: only a reply cut short by its token limit "
                              "(max new tokens) or by Stop can go on; send a message instead",
                              "the reply")
-        return self._continue(Sampling(**sampling))
+        return self._continue(Sampling(**sampling), stop)
 
-    def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
+    def _turn(self, text: str, sampling: Sampling, pin: bool = False,
+              stop: threading.Event | None = None) -> Iterator[str]:
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
             rendered, new_tokens, contents = self._render_new(messages, True)
@@ -449,7 +459,7 @@ class ChatSession(Session):
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._template_text = self._reply_start = rendered
             try:
-                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None)
+                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop)
             except BaseException:
                 if len(self.tokens) == start:
                     # Failed before the first token and _generate took the tokens back:
@@ -460,10 +470,10 @@ class ChatSession(Session):
                 raise
             self._record_reply()
 
-    def _continue(self, sampling: Sampling) -> Iterator[str]:
+    def _continue(self, sampling: Sampling, stop: threading.Event | None = None) -> Iterator[str]:
         with self._turn_lock:
             try:
-                yield from self._generate([], sampling, extend=True)
+                yield from self._generate([], sampling, extend=True, stop=stop)
             finally:
                 self._record_reply()
 
@@ -549,17 +559,19 @@ class StorySession(Session):
     def text(self) -> str:
         return self.decode(self.tokens[self.bible_tokens :])
 
-    def send(self, text: str = "", pin: bool = False, **sampling) -> Iterator[str]:
+    def send(self, text: str = "", pin: bool = False, stop: threading.Event | None = None,
+             **sampling) -> Iterator[str]:
         """Append ``text`` (may be empty) to the story and stream its continuation;
-        ``pin`` pins ``text``'s tokens."""
+        ``pin`` pins ``text``'s tokens; ``stop`` as in ``ChatSession.send``."""
         check_story_turn(text, len(self.decode(self.tokens)), self.limits)
         if not self.tokens and not text:
             raise InputError("the story is empty: write a beginning to continue from", "the new story text")
         if pin and not text:
             raise InputError("nothing to pin: no new text to append", "the new story text")
-        return self._turn(text, Sampling(**sampling), pin)
+        return self._turn(text, Sampling(**sampling), pin, stop)
 
-    def _turn(self, text: str, sampling: Sampling, pin: bool = False) -> Iterator[str]:
+    def _turn(self, text: str, sampling: Sampling, pin: bool = False,
+              stop: threading.Event | None = None) -> Iterator[str]:
         with self._turn_lock:
             new_tokens = self._encode(text) if text else []
-            yield from self._generate(new_tokens, sampling, (0, len(new_tokens)) if pin else None)
+            yield from self._generate(new_tokens, sampling, (0, len(new_tokens)) if pin else None, stop=stop)

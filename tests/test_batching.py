@@ -1,12 +1,15 @@
 """Batched decoding: conversations decoding together give what each gives alone."""
 
+import threading
+
 import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
 
-from .helpers import GREEDY, assert_consistent, fail_next_update, h2o, together
+from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o,
+                      together)
 
 # Four conversations unlike each other in every way a row can differ.
 ROWS = [
@@ -239,3 +242,40 @@ def test_sessions_starting_in_threads_read_the_same_prompt_tokens(smollm):
     read = []
     together(*(lambda: read.extend(prompt_tokens() for _ in range(15)) for _ in range(4)))
     assert len(read) == 60 and all(tokens == expected for tokens in read)
+
+
+PASTE = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+
+
+def test_a_turn_stopped_before_it_began_feeds_nothing(smollm):
+    """A stop event set before the turn starts (a client gone while its request waited)
+    ends it before its first forward pass; the session stays usable."""
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, cache=h2o(model, 24, 24), runner=BatchScheduler(model))
+    stop = threading.Event()
+    stop.set()
+    assert "".join(session.send(PASTE, stop=stop, **GREEDY)) == ""
+    assert (session.fed, session.stats().cache.seen, session.finish_reason) == (0, 0, "stopped")
+    assert "".join(session.send("Say hello.", **GREEDY)).strip()
+    assert_consistent(session)
+
+
+def test_a_prefill_stopped_between_two_pieces_keeps_what_it_fed_and_continues(smollm):
+    """A stop set while a prompt chunk is read ends the turn after the piece under way,
+    not after the chunk: the cache holds that piece, evicted to its budget, the session
+    counts it as fed, and continuing reads the rest."""
+    model, tokenizer = smollm
+    scheduler = BatchScheduler(model)
+    session = ChatSession(model, tokenizer, cache=h2o(model, 24, 24), runner=scheduler, prefill_chunk_size=256)
+    stop = threading.Event()
+    hook = model.register_forward_hook(lambda *_: stop.set())  # during the first piece
+    try:
+        assert "".join(session.send(PASTE, stop=stop, **GREEDY)) == ""
+    finally:
+        hook.remove()
+    assert session.finish_reason == "stopped"
+    assert session.fed == session.stats().cache.seen == scheduler.prefill_piece < 256
+    assert_at_rest_within_budget(session)
+    assert "".join(session.continue_reply(**GREEDY)).strip()
+    assert session.fed > 256
+    assert_consistent(session)

@@ -84,7 +84,9 @@ class Admission:
 
 
 class Turn:
-    """One request's turn: iterate it for its events; ``cancel`` stops it (the client left)."""
+    """One request's turn: iterate it for its events; ``cancel`` stops it (the client left)
+    at whatever stage it is: not begun, it never feeds a token; prefilling, it stops after
+    the prompt piece under way; decoding, after the token under way."""
 
     def __init__(self, conversation: Conversation, arrived: float, metrics: Metrics) -> None:
         self.conversation, self.arrived, self._metrics = conversation, arrived, metrics
@@ -98,9 +100,7 @@ class Turn:
         return self.conversation.id
 
     def cancel(self) -> None:
-        self.cancelled.set()
-        if self.conversation.session is not None:
-            self.conversation.session.stop()
+        self.cancelled.set()  # the session's stop event for this turn (see Engine._generate)
 
     def emit(self, event: Delta | Finished | _Failed) -> None:
         """From the worker thread."""
@@ -165,9 +165,15 @@ class Engine:
             before = session.stats()
             finish = self._generate(turn, session, request)
             after = session.stats()
+            self._count(before, after)
+            if turn.cancelled.is_set() and session.finish_reason == "stopped":
+                # Nobody reads the reply, and a client coming back sends a history this
+                # conversation no longer holds (it ends with a cut reply): let it go now.
+                self.metrics.cancelled.labels("decode" if after.generated else "prefill").inc()
+                self.store.checkin(conversation, None)
+                return
             reply = Message("assistant", session.messages[-1]["content"])
             self.store.checkin(conversation, request.messages + (reply,), after)
-            self._count(before, after)
             turn.emit(Finished(finish, Usage(after.tokens - after.generated, after.generated, before.fed),
                                h2o_report(conversation.id, after)))
         except Exception as err:
@@ -180,15 +186,14 @@ class Engine:
         """Stream the reply into ``turn``; its finish reason."""
         message = request.messages[-1]
         stops = StopMatcher(request.stop)
-        stream = session.send(message.content, pin=message.pin, max_new_tokens=request.max_tokens,
-                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                              min_new_tokens=request.min_tokens)
+        stream = session.send(message.content, pin=message.pin, stop=turn.cancelled,
+                              max_new_tokens=request.max_tokens, temperature=request.temperature,
+                              top_p=request.top_p, seed=request.seed, min_new_tokens=request.min_tokens)
         try:
             for chunk in stream:
                 if text := stops.feed(chunk):
                     turn.emit(Delta(text))
-                # Checked here too: a stop() that came before send() began is cleared by it.
-                if stops.stopped or turn.cancelled.is_set():
+                if stops.stopped:
                     break
         finally:
             stream.close()  # the session records the reply so far
@@ -218,7 +223,8 @@ class Engine:
     def _count(self, before: SessionStats, after: SessionStats) -> None:
         metrics = self.metrics
         metrics.generated_tokens.inc(after.generated)
-        metrics.prefill_tokens.inc(after.tokens - after.generated - before.fed)
+        # What was fed of the prompt: all of it, unless the turn stopped during its prefill.
+        metrics.prefill_tokens.inc(min(after.fed, after.tokens - after.generated) - before.fed)
         metrics.cached_tokens.inc(before.fed)
         evicted = [s.cache.seen - s.cache.held for s in (before, after)]
         metrics.evicted_tokens.inc(max(0, evicted[1] - evicted[0]))

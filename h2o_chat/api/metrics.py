@@ -78,6 +78,11 @@ class Metrics:
         self.evicted_tokens = Counter("h2o_chat_evicted_tokens",
                                       "Tokens the bounded caches evicted during API turns",
                                       registry=registry)
+        self.cancelled = Counter("h2o_chat_cancelled_turns", "API turns stopped because their client "
+                                 "left, by the stage they had reached: queued, prefill, decode",
+                                 ["stage"], registry=registry)
+        for stage in ("queued", "prefill", "decode"):  # shown at 0 before the first
+            self.cancelled.labels(stage)
         self.active = Gauge("h2o_chat_active_generations", "API turns generating now", registry=registry)
         self.queued = Gauge("h2o_chat_queued_requests", "API requests waiting for a generation slot",
                             registry=registry)

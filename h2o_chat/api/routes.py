@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits, read_json
@@ -62,6 +64,10 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         count(request, response.status_code)
         return response
 
+    @api.exception_handler(ClientDisconnect)
+    async def left(request: Request, err: ClientDisconnect) -> Response:
+        return answered(request, Response(status_code=499))  # while its body was read: nothing started
+
     @api.get("/health")
     async def health(request: Request) -> Response:
         status = "ok" if provider.ready else "error" if provider.error is not None else "loading"
@@ -94,16 +100,21 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         authorize(request)
         chat = parse_chat_request(await _read_json(request, max_body, limits), config.generation, limits)
         session_id = request.headers.get("x-session-id")
-        turn = await engine.start(chat, None if session_id is None else check_session_id(session_id))
+        started = asyncio.ensure_future(
+            engine.start(chat, None if session_id is None else check_session_id(session_id)))
+        if not await _while_connected(request, started):
+            metrics.cancelled.labels("queued").inc()
+            return answered(request, Response(status_code=499))
+        turn = started.result()
         reply = Reply(name)
         headers = {"X-Session-Id": turn.session_id}
         if chat.stream:
-            return answered(request, StreamingResponse(_events(turn, chat, reply),
-                                                       media_type="text/event-stream", headers=headers))
-        whole = await _collect(turn, request)
-        if whole is None:  # the client left: nobody reads this
+            return answered(request, _TurnStream(turn, _events(turn, chat, reply), headers=headers))
+        collected = asyncio.ensure_future(_collect(turn))
+        if not await _while_connected(request, collected):
+            turn.cancel()
             return answered(request, Response(status_code=499))
-        return answered(request, JSONResponse(reply.completion(*whole), headers=headers))
+        return answered(request, JSONResponse(reply.completion(*collected.result()), headers=headers))
 
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unknown(request: Request, path: str) -> Response:
@@ -159,10 +170,24 @@ async def _read_json(request: Request, max_bytes: int, limits: InputLimits) -> A
         raise APIError(400, str(err), code="invalid_json") from None
 
 
+class _TurnStream(StreamingResponse):
+    """A streamed reply whose turn stops when the response ends, however it ends: the
+    client leaving (the server then cancels the stream, perhaps before its first event),
+    a failed send, or the last event out (then there is nothing left to stop)."""
+
+    def __init__(self, turn: Turn, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.turn = turn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.turn.cancel()
+
+
 async def _events(turn: Turn, chat: ChatRequest, reply: Reply) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed reply. If the client goes away, the server
-    cancels this generator, which stops the turn."""
-    finished = None
+    """The server-sent events of a streamed reply."""
     try:
         yield event(reply.chunk({"role": "assistant", "content": ""}))
         async for item in turn:
@@ -175,33 +200,35 @@ async def _events(turn: Turn, chat: ChatRequest, reply: Reply) -> AsyncIterator[
             yield event(reply.usage_chunk(finished))
     except APIError as err:  # after the 200 went out: the error travels as an event
         yield event(err.body())
-    finally:
-        if finished is None:
-            turn.cancel()
     yield DONE
 
 
-async def _collect(turn: Turn, request: Request) -> tuple[str, Finished] | None:
-    """A whole reply; None, the turn stopped, if the client went away before it ended."""
-    async def gather() -> tuple[str, Finished]:
-        parts = []
-        async for item in turn:
-            if isinstance(item, Delta):
-                parts.append(item.text)
-            else:
-                return "".join(parts), item
-        raise AssertionError("a turn always ends with Finished or an error")
+async def _collect(turn: Turn) -> tuple[str, Finished]:
+    """A whole reply: its text and how it ended."""
+    parts = []
+    async for item in turn:
+        if isinstance(item, Delta):
+            parts.append(item.text)
+        else:
+            return "".join(parts), item
+    raise AssertionError("a turn always ends with Finished or an error")
 
+
+async def _while_connected(request: Request, work: asyncio.Future) -> bool:
+    """Wait for ``work`` while the client stays; True once it is done. False, ``work``
+    cancelled, when the client left first (a turn ``work`` already gave is not stopped
+    by this: the caller does that)."""
     async def client_gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    reply, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(client_gone())
+    gone = asyncio.ensure_future(client_gone())
     try:
-        await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
-        return reply.result() if reply.done() else None
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not reply.done():
-            turn.cancel()
-            reply.cancel()
+    if work.done():
+        work.result()  # raises what the work raised (a refusal)
+        return True
+    work.cancel()
+    return False
