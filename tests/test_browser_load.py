@@ -12,8 +12,10 @@ from h2o_chat import ChatSession
 from h2o_chat.config import load_config
 from h2o_chat.ui.settings import new_cache
 
+from playwright.sync_api import expect
+
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, messages, open_app, running_app, seen, watch_progress,
+    DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, messages, open_app, running_app, seen, watch_progress,
 )
 
 CONVERSATIONS = [
@@ -133,3 +135,35 @@ def test_closing_tabs_frees_their_sessions_at_once(browser, app_url):
         assert "0 generating" in _server_line(pages[0])
     finally:
         pages[0].context.close()
+
+
+def test_stop_while_waiting_in_the_queue_ends_the_turn_before_it_reads_a_token(browser, app_url):
+    """Two pages hold both generation slots; a third asks for a reply, waits in the queue
+    and presses Stop there. When a slot frees, its turn ends before it reads its prompt:
+    no text comes, and its next message is answered as usual."""
+    busy = [open_app(browser, app_url) for _ in range(LIMIT)]
+    waiting = open_app(browser, app_url)
+    try:
+        for page in busy:
+            configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
+            page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+            page.click("#chat-send")
+        for page in busy:
+            page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+                                   ".some(e => e.innerText.length > 0)", timeout=DONE_TIMEOUT_MS)
+        configure(waiting, max_new_tokens=16)
+        waiting.fill("#chat-input textarea", "Write a poem about the sea.")
+        waiting.click("#chat-send")
+        expect(waiting.locator("#chatbot [data-testid=status-tracker]:not(.hide)")).to_contain_text("queue:")
+        waiting.click("#chat-stop")
+        for page in busy:
+            page.click("#chat-stop")
+        expect(waiting.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+        assert "".join(messages(waiting, "chatbot", "bot")).strip() in ("", "Continue")
+        waiting.fill("#chat-input textarea", "Say hello.")
+        waiting.click("#chat-send")
+        waiting.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+                                  ".some(e => e.innerText.trim().length > 8)", timeout=DONE_TIMEOUT_MS)
+    finally:
+        for page in [*busy, waiting]:
+            page.context.close()

@@ -105,7 +105,7 @@ class ChatTab:
                     self.pin_message = pin_message_checkbox("chat")
                     self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
                                           elem_id="chat-send")
-                    self.stop = stop_button("chat", self.state)
+                    self.stop = stop_button("chat")
                 with gr.Row():
                     self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
                     self.undo = gr.Button("Undo", elem_id="chat-undo")
@@ -122,15 +122,15 @@ class ChatTab:
         self._wire()
 
     def _wire(self) -> None:
-        turn_inputs = {self.state, self.text, self.system_prompt, self.map.live, self.pin_message,
-                       *self.settings.components, *self.map.pickers}
+        self.swap = SendStopSwap(self.send, self.stop, self.state)
+        turn_inputs = {self.state, self.swap.signal, self.text, self.system_prompt, self.map.live,
+                       self.pin_message, *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
         # "multiple": a second Enter while a reply streams is refused with a message,
         # not dropped silently.
         sends = [self.text.submit, self.send.click]
         regenerates = [self.regenerate.click, self.chatbot.retry]
-        self.swap = SendStopSwap(self.send, self.stop, self.state)
         self.swap.on([*sends, *regenerates, self.chatbot.edit, self.chatbot.option_select])
         turns = [
             gr.on(sends, refusing(self.on_send, self.chatbot), turn_inputs, outputs,
@@ -207,7 +207,7 @@ class ChatTab:
         with state.running():
             sampling = self.settings.sampling(values)
             try:
-                stream = state.session.continue_reply(**sampling)
+                stream = state.session.continue_reply(stop=self.swap.stop_event(values), **sampling)
             except ValueError as err:
                 raise Refusal(str(err)) from None
             shown = state.shown()  # the reply so far last, without its chip
@@ -238,7 +238,8 @@ class ChatTab:
     def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
         sampling = self.settings.sampling(values)
         try:
-            stream = state.session.send(text, pin=bool(values[self.pin_message]), **sampling)
+            stream = state.session.send(text, pin=bool(values[self.pin_message]),
+                                        stop=self.swap.stop_event(values), **sampling)
         except ValueError as err:
             raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]

@@ -132,7 +132,7 @@ class CompareTab:
                                    show_label=False, scale=5, elem_id="compare-input")
             self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,
                                   elem_id="compare-send")
-            self.stop = stop_button("compare", self.state)
+            self.stop = stop_button("compare")
             self.reset = gr.Button("Reset", scale=0, min_width=100, elem_id="compare-reset")
         with gr.Row():
             self.bounded_gauge = gr.HTML(
@@ -168,7 +168,7 @@ class CompareTab:
         continues = [self.bounded_chat.option_select, self.full_chat.option_select]
         self.swap = SendStopSwap(self.send, self.stop, self.state)
         self.swap.on(sends + continues)
-        turn_inputs = {self.state, self.text, self.map.live, self.fidelity.enabled,
+        turn_inputs = {self.state, self.swap.signal, self.text, self.map.live, self.fidelity.enabled,
                        *self.settings.components, *self.map.pickers}
         turn = gr.on(sends, refusing(self.on_send, self.full_chat), turn_inputs,
                      self._outputs, trigger_mode="multiple", **generating(self.server))
@@ -199,7 +199,8 @@ class CompareTab:
         with state.running():
             self._start_reply(values, state)
             try:
-                streams = {side: s.send(text, **sampling) for side, s in state.sides.items()}
+                stop = self.swap.stop_event(values)
+                streams = {side: s.send(text, stop=stop, **sampling) for side, s in state.sides.items()}
             except ValueError as err:
                 raise Refusal(str(err)) from None
             state.turns += 1
@@ -221,7 +222,8 @@ class CompareTab:
         with state.running():
             self._start_reply(values, state)
             try:
-                streams = {side: state.sides[side].continue_reply(**sampling)
+                stop = self.swap.stop_event(values)
+                streams = {side: state.sides[side].continue_reply(stop=stop, **sampling)
                            for side in state.cut_short()}
             except ValueError as err:
                 raise Refusal(str(err)) from None

@@ -1,7 +1,10 @@
 """Stopping a reply where the user looks: the send button turns into Stop while a view
-generates (as in Open WebUI, LM Studio and llama.cpp's web UI), and Esc stops too."""
+generates (as in Open WebUI, LM Studio and llama.cpp's web UI), and Esc stops too, at any
+stage of the turn: waiting in the queue, reading the prompt, or generating."""
 
 from __future__ import annotations
+
+import threading
 
 import gradio as gr
 from gradio.events import Dependency, EventListenerMethod
@@ -20,31 +23,64 @@ ESC_STOPS = """() => {
 }"""
 
 
-def stop_button(prefix: str, state: gr.State) -> gr.Button:
-    """The Stop button, built beside the send button it replaces while generating; it
-    stops the turn of the view whose ``state`` it is given, at once (no queue)."""
-    button = gr.Button("Stop", variant="stop", visible=False, elem_id=f"{prefix}-stop",
-                       elem_classes=["stop-reply"], scale=0, min_width=100)
-    button.click(stop_state, [state], None, concurrency_limit=None, show_progress="hidden")
-    return button
+class StopSignal:
+    """A view's Stop for its next or running turn, kept per browser in a ``gr.State``.
+    Asking for a turn renews ``event``; Stop sets it; the turn hands it to its sessions.
+    So a Stop while the turn still waits in the queue (no session runs yet to be told)
+    ends the turn as soon as it starts, before it reads a token."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __deepcopy__(self, memo: dict) -> StopSignal:
+        return StopSignal()  # gr.State copies its first value for every browser
+
+    def renew(self) -> None:
+        self.event = threading.Event()
+
+
+def stop_button(prefix: str) -> gr.Button:
+    """The Stop button, built beside the send button it replaces while generating (its
+    ``SendStopSwap`` wires it)."""
+    return gr.Button("Stop", variant="stop", visible=False, elem_id=f"{prefix}-stop",
+                     elem_classes=["stop-reply"], scale=0, min_width=100)
+
+
+def _stop(view: ViewState | None, signal: StopSignal) -> None:
+    signal.event.set()
+    stop_state(view)  # a turn that began before its signal was renewed holds another event
 
 
 class SendStopSwap:
-    """Shows ``stop`` instead of ``send`` while a turn runs. Call ``on`` before wiring the
-    turns (the page runs a trigger's events in the order they were wired, and the swap
-    must come first) and ``until`` with the turns once wired. For others that follow the
-    view's turns (the server line): ``started``, the swap's own event, which runs at once
-    when a turn is asked for (an event wired after a turn on the same trigger waits for
-    the turn to end), and ``turns``."""
+    """Shows ``stop`` instead of ``send`` while a turn runs or waits, and makes Stop stop
+    it. Call ``on`` before wiring the turns (the page runs a trigger's events in the order
+    they were wired, and the swap must come first) and ``until`` with the turns once
+    wired; the turns take ``signal`` among their inputs and hand ``stop_event(values)`` to
+    their sessions. For others that follow the view's turns (the server line):
+    ``started``, the swap's own event, which runs at once when a turn is asked for (an
+    event wired after a turn on the same trigger waits for the turn to end), and ``turns``."""
 
     def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State) -> None:
         self.send, self.stop, self.state = send, stop, state
+        # A closed tab sets it: a turn of that tab that Gradio already took from the queue
+        # ends before it reads a token.
+        self.signal = gr.State(StopSignal(), delete_callback=lambda signal: signal.event.set())
         self.started: Dependency | None = None
         self.turns: list[Dependency] = []
+        stop.click(_stop, [state, self.signal], None, concurrency_limit=None, show_progress="hidden")
 
     def on(self, triggers: list[EventListenerMethod]) -> None:
-        self.started = gr.on(triggers, lambda: (gr.Button(visible=False), gr.Button(visible=True)),
-                             None, [self.send, self.stop], queue=False, show_progress="hidden")
+        def start(view: ViewState | None, signal: StopSignal) -> tuple[gr.Button, gr.Button]:
+            if view is None or not view.streaming:  # else the turn asked for is refused
+                signal.renew()  # a Stop of an earlier turn must not stop this one
+            return gr.Button(visible=False), gr.Button(visible=True)
+
+        self.started = gr.on(triggers, start, [self.state, self.signal], [self.send, self.stop],
+                             queue=False, show_progress="hidden")
+
+    def stop_event(self, values: dict) -> threading.Event:
+        """The event that stops the turn whose inputs are ``values``."""
+        return values[self.signal].event
 
     def until(self, events: list[Dependency]) -> None:
         """Back to ``send`` when one of ``events`` ends, unless a turn still runs (a

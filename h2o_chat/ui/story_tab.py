@@ -74,7 +74,7 @@ class StoryTab:
                                         label="tokens per continue", elem_id="story-tokens")
                 with gr.Row():
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
-                    self.stop = stop_button("story", self.state)
+                    self.stop = stop_button("story")
                     self.new = gr.Button("New story", elem_id="story-new")
             with gr.Column(scale=2):
                 self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
@@ -95,7 +95,7 @@ class StoryTab:
         self.swap.on([self.go.click])
         turn = self.go.click(
             refusing(self.on_continue, self.story),
-            {self.state, self.bible, self.story, self.tokens, self.map.live,
+            {self.state, self.swap.signal, self.bible, self.story, self.tokens, self.map.live,
              *self.settings.components, *self.map.pickers},
             outputs, **generating(self.server))
         self.swap.until([turn])
@@ -125,7 +125,8 @@ class StoryTab:
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         with state.running():
             try:
-                stream = state.session.send(story[len(state.session.text):], **sampling)
+                stream = state.session.send(story[len(state.session.text):],
+                                            stop=self.swap.stop_event(values), **sampling)
             except ValueError as err:
                 raise Refusal(str(err)) from None
             yield {self.state: state}
