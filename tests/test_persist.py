@@ -337,7 +337,7 @@ def inputs(settings, tab, state, **changed):
     """What a handler of ``tab`` receives: the settings as configured, then ``changed``
     (component attribute name -> value, e.g. heavy=32) and the view's state."""
     values = {c: c.value for c in settings.components} | {tab.map.live: True}
-    values |= {picker: -1 for picker in tab.map.pickers} | {tab.state: state}
+    values |= {picker: -1 for picker in tab.map.pickers} | {tab.state: state, tab.swap.signal: tab.swap.signal.value}
     return values | {getattr(settings, name): value for name, value in changed.items()}
 
 

@@ -253,7 +253,7 @@ def values_of(tab, state, changes=None):
     """The inputs a handler of ``tab`` receives: the components' defaults, a small
     budget, short greedy replies, and ``changes`` ({component: value})."""
     components = {tab.state, tab.text, tab.system_prompt, tab.pin_message, tab.pins.text,
-                  tab.pins.choice, *tab.settings.components, tab.map.live, *tab.map.pickers}
+                  tab.pins.choice, *tab.settings.components, tab.map.live, *tab.map.pickers, tab.swap.signal}
     values = {c: c.value for c in components} | {tab.state: state}
     values[tab.settings.heavy], values[tab.settings.recent] = 16, 16
     values[tab.settings.max_new_tokens], values[tab.settings.temperature] = 8, 0

@@ -40,7 +40,7 @@ class CompareView:
             self.tab = CompareTab(provider, self.settings, config)
         tab = self.tab
         self.values = {c: c.value for c in (*self.settings.components, *tab.map.pickers,
-                                            tab.map.live, tab.fidelity.enabled)}
+                                            tab.map.live, tab.fidelity.enabled, tab.swap.signal)}
         self.values[tab.state] = None
 
     def set(self, **settings) -> None:

@@ -83,6 +83,11 @@ class Metrics:
                                  ["stage"], registry=registry)
         for stage in ("queued", "prefill", "decode"):  # shown at 0 before the first
             self.cancelled.labels(stage)
+        self.refused = Counter("h2o_chat_refused_requests", "Requests refused before any route ran, "
+                               "by why: forbidden_host (a Host the server does not answer to) or "
+                               "forbidden_origin (a web page on another origin)", ["code"], registry=registry)
+        for code in ("forbidden_host", "forbidden_origin"):
+            self.refused.labels(code)
         self.active = Gauge("h2o_chat_active_generations", "API turns generating now", registry=registry)
         self.queued = Gauge("h2o_chat_queued_requests", "API requests waiting for a generation slot",
                             registry=registry)

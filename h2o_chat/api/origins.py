@@ -17,6 +17,7 @@ use it. Two checks, for every route (API and page alike), before anything runs:
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -36,10 +37,12 @@ def listed(text: str) -> list[str]:
 
 class OriginGuard:
     """ASGI middleware refusing (403, OpenAI's error shape) requests from a Host the
-    server does not answer to or from a foreign web page."""
+    server does not answer to or from a foreign web page; ``refused`` is told the code of
+    each refusal (for the metrics)."""
 
-    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, server: ServerConfig,
+                 refused: Callable[[str], None] = lambda code: None) -> None:
+        self.app, self.refused = app, refused
         self.hosts = {name.lower() for name in (server.host, *LOOPBACK_NAMES, *listed(server.allowed_hosts))}
         self.share = server.share
         self.origins = {origin.rstrip("/").lower() for origin in listed(server.allowed_origins)}
@@ -48,6 +51,7 @@ class OriginGuard:
         if scope["type"] in ("http", "websocket"):
             refusal = self.refusal(scope)
             if refusal is not None:
+                self.refused(refusal.code)
                 if scope["type"] == "http":
                     await refusal.response()(scope, receive, send)
                 else:  # a websocket handshake refused before it is accepted

@@ -49,7 +49,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
     # Outermost: the page mounted on this app later is behind the same checks.
-    api.add_middleware(OriginGuard, server=server)
+    api.add_middleware(OriginGuard, server=server, refused=lambda code: metrics.refused.labels(code).inc())
 
     def count(request: Request, status: int) -> None:
         # By route template, not path: clients must not be able to add label values.
