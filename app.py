@@ -64,13 +64,15 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         sys.exit(f"error: {err}")
 
+    from h2o_chat.admission import Admission
     from h2o_chat.api.server import create_app, serve
     from h2o_chat.ui.app import build_app
     from h2o_chat.ui.provider import ModelProvider
 
     model_id = config.model.source or Path(EMBEDDED_GGUF).stem  # as API clients name it
     name = config.model.source or f"{model_id} (embedded)"
-    provider = ModelProvider(lambda: load_model(config.model), name).start()
+    provider = ModelProvider(lambda: load_model(config.model), name,
+                             Admission(config.server.max_concurrent_generations)).start()
     app = create_app(provider, model_id, config, build_app(provider, config))
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
     serve(app, config.server)

@@ -13,6 +13,7 @@ import uvicorn
 from openai import OpenAI
 
 from h2o_chat import ChatSession, make_cache
+from h2o_chat.admission import Admission
 from h2o_chat.api.routes import create_api
 from h2o_chat.config import AppConfig, load_config
 from h2o_chat.ui.provider import ModelProvider
@@ -31,7 +32,8 @@ def api_config(**server) -> AppConfig:
 @contextmanager
 def serving(model_and_tokenizer, config: AppConfig) -> Iterator[str]:
     """The API on a free port; yields its base URL (``http://127.0.0.1:PORT``)."""
-    provider = ModelProvider(lambda: model_and_tokenizer, MODEL_ID).start()
+    provider = ModelProvider(lambda: model_and_tokenizer, MODEL_ID,
+                             Admission(config.server.max_concurrent_generations)).start()
     provider.get()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_api(provider, MODEL_ID, config), host="127.0.0.1",

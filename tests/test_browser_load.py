@@ -4,8 +4,12 @@ generation limit, and sessions freed when their tabs close."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
+import time
 
+import httpx
 import pytest
 
 from h2o_chat import ChatSession
@@ -167,3 +171,59 @@ def test_stop_while_waiting_in_the_queue_ends_the_turn_before_it_reads_a_token(b
     finally:
         for page in [*busy, waiting]:
             page.context.close()
+
+
+def _metrics(app_url: str) -> dict[str, float]:
+    text = httpx.get(app_url.rstrip("/") + "/metrics", timeout=30).text
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def _until(app_url: str, condition) -> dict[str, float]:
+    deadline = time.monotonic() + DONE_TIMEOUT_MS / 1000
+    while not condition(seen := _metrics(app_url)):
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+    return seen
+
+
+def _long_api_reply(app_url: str) -> socket.socket:
+    """A streamed API request for a long reply, on a socket the test closes to leave."""
+    host, port = app_url.rstrip("/").removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "Count to five hundred."}], "stream": True,
+                       "max_tokens": 500, "ignore_eos": True}).encode()
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
+                       f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return connection
+
+
+def test_page_and_api_turns_share_one_admission(browser, app_url):
+    """The server's generation limit holds over both doors: with both slots taken by API
+    requests a page's turn waits (and says so), and with one taken by the page's long
+    reply and one by the API a further API request waits."""
+    page = open_app(browser, app_url)
+    sockets = []
+    try:
+        sockets += [_long_api_reply(app_url) for _ in range(LIMIT)]
+        _until(app_url, lambda m: m["h2o_chat_generations_running"] == LIMIT)
+        configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
+        page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+        page.click("#chat-send")
+        expect(page.locator("#chatbot [data-testid=bot]").last).to_contain_text(
+            f"Waiting for a free generation slot: the server generates at most {LIMIT} replies at once")
+        seen = _until(app_url, lambda m: m["h2o_chat_generations_waiting"] == 1)
+        assert seen["h2o_chat_generations_running"] == LIMIT
+        sockets.pop().close()  # an API client leaves: its slot goes to the page
+        page.wait_for_function("() => /two|three/i.test([...document.querySelectorAll("
+                               "'#chatbot [data-testid=bot]')].pop().innerText)", timeout=DONE_TIMEOUT_MS)
+        sockets.append(_long_api_reply(app_url))  # the page and one API request hold both slots
+        seen = _until(app_url, lambda m: m["h2o_chat_queued_requests"] == 1)
+        assert (seen["h2o_chat_generations_running"], seen["h2o_chat_active_generations"]) == (LIMIT, 1)
+        page.click("#chat-stop")  # the page's slot goes to the waiting API request
+        _until(app_url, lambda m: m["h2o_chat_queued_requests"] == 0 and m["h2o_chat_active_generations"] == 2)
+    finally:
+        for connection in sockets:
+            connection.close()
+        page.context.close()
+    _until(app_url, lambda m: m["h2o_chat_generations_running"] == m["h2o_chat_generations_waiting"] == 0)

@@ -1,5 +1,5 @@
-"""Turns of API conversations on sessions: admission, a worker thread per turn, and the
-turn's events handed to the event loop.
+"""Turns of API conversations on sessions: the API's place in the model's one admission,
+a worker thread per turn, and the turn's events handed to the event loop.
 
 Each admitted turn runs ``ChatSession.send`` on its own thread; the model's scheduler
 batches the decode steps of all turns decoding at once. The routes see only
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from h2o_chat import ChatSession, cache_from_config
+from h2o_chat.admission import Admission, Ticket
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits
 from h2o_chat.session import SessionStats
@@ -56,31 +57,48 @@ class _Failed:
     error: APIError
 
 
-class Admission:
-    """At most ``running`` turns at once; at most ``waiting`` more wait, others get 429."""
+class APIQueue:
+    """The API's requests in the model's ``admission`` (which page turns take too): at
+    most ``waiting`` of them wait for a slot, others get 429."""
 
-    def __init__(self, running: int, waiting: int, metrics: Metrics) -> None:
-        self._slots = asyncio.Semaphore(running)
+    def __init__(self, admission: Admission, waiting: int, metrics: Metrics) -> None:
+        self._admission = admission
         self.waiting, self.max_waiting = 0, waiting
         self._metrics = metrics
 
-    async def acquire(self) -> None:
-        if self._slots.locked() and self.waiting >= self.max_waiting:
+    async def enter(self) -> Ticket:
+        """A granted ticket, once a slot is free; cancelled while waiting, it leaves."""
+        running, _ = self._admission.load()
+        if running >= self._admission.limit and self.waiting >= self.max_waiting:
             raise APIError(429, f"the server is busy: {self.max_waiting} requests already wait for a "
                                 "generation slot (server.api_max_queued); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        self.waiting += 1
-        self._metrics.queued.inc()
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-            self._metrics.queued.dec()
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        ticket = self._admission.request(lambda: loop.call_soon_threadsafe(_resolve, ready))
+        if not ticket.granted:
+            self.waiting += 1
+            self._metrics.queued.inc()
+            try:
+                await ready
+            except BaseException:
+                ticket.done()
+                raise
+            finally:
+                self.waiting -= 1
+                self._metrics.queued.dec()
         self._metrics.active.inc()
+        return ticket
 
-    def release(self) -> None:
+    def leave(self, ticket: Ticket) -> None:
+        """The turn ended (any thread): its slot goes to the next waiting turn."""
         self._metrics.active.dec()
-        self._slots.release()
+        ticket.done()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Turn:
@@ -135,24 +153,23 @@ class Engine:
     def __init__(self, provider: ModelProvider, config: AppConfig, metrics: Metrics,
                  store: ConversationStore) -> None:
         self.provider, self.config, self.metrics, self.store = provider, config, metrics, store
-        server = config.server
-        self.admission = Admission(server.max_concurrent_generations, server.api_max_queued, metrics)
+        self.queue = APIQueue(provider.admission, config.server.api_max_queued, metrics)
 
     async def start(self, request: ChatRequest, session_id: str | None) -> Turn:
         """Admit the request (429 when the queue is full) and start its turn."""
         arrived = time.monotonic()
-        await self.admission.acquire()
+        ticket = await self.queue.enter()
         try:
             conversation = self.store.checkout(request.history, session_id)
         except BaseException:
-            self.admission.release()
+            self.queue.leave(ticket)
             raise
         turn = Turn(conversation, arrived, self.metrics)
-        threading.Thread(target=self._run, args=(turn, request), name=f"turn-{conversation.id}",
+        threading.Thread(target=self._run, args=(turn, request, ticket), name=f"turn-{conversation.id}",
                          daemon=True).start()
         return turn
 
-    def _run(self, turn: Turn, request: ChatRequest) -> None:
+    def _run(self, turn: Turn, request: ChatRequest, ticket: Ticket) -> None:
         conversation = turn.conversation
         try:
             try:
@@ -180,7 +197,7 @@ class Engine:
             self.store.checkin(conversation, None)
             turn.emit(_Failed(_as_api_error(err)))
         finally:
-            turn.call_in_loop(self.admission.release)
+            self.queue.leave(ticket)
 
     def _generate(self, turn: Turn, session: ChatSession, request: ChatRequest) -> str:
         """Stream the reply into ``turn``; its finish reason."""

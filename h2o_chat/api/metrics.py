@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from h2o_chat.admission import Admission
 from h2o_chat.scheduler import BatchScheduler
 
 from .conversations import Conversation
@@ -59,12 +60,26 @@ class _SchedulerCollector(Collector):
                                 value=turns)
 
 
+class _AdmissionCollector(Collector):
+    """The model's one admission: turns of the page and the API together."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running, waiting = self._admission.load()
+        yield GaugeMetricFamily("h2o_chat_generations_running", "Turns holding a generation slot, page "
+                                "and API together (at most server.max_concurrent_generations)", value=running)
+        yield GaugeMetricFamily("h2o_chat_generations_waiting", "Turns waiting for a generation slot, "
+                                "page and API together", value=waiting)
+
+
 class Metrics:
     """``conversations`` lists the kept API conversations; ``scheduler`` gives the model's
-    scheduler, None while the model loads."""
+    scheduler, None while the model loads; ``admission`` is the model's one admission."""
 
     def __init__(self, conversations: Callable[[], list[Conversation]],
-                 scheduler: Callable[[], BatchScheduler | None]) -> None:
+                 scheduler: Callable[[], BatchScheduler | None], admission: Admission) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("h2o_chat_requests", "API requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
@@ -97,6 +112,7 @@ class Metrics:
                               "text of the reply", buckets=_BUCKETS, registry=registry)
         registry.register(_ConversationCollector(conversations))
         registry.register(_SchedulerCollector(scheduler))
+        registry.register(_AdmissionCollector(admission))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,8 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     server = config.server
     store = ConversationStore(server.api_max_conversations, server.idle_release_minutes * 60, released)
     metrics = Metrics(store.conversations,
-                      lambda: scheduler_for(provider.get().model) if provider.ready else None)
+                      lambda: scheduler_for(provider.get().model) if provider.ready else None,
+                      provider.admission)
     engine = Engine(provider, config, metrics, store)
     authorize = _authorizer(server.api_key, login=server.username is not None)
     max_body = server.api_max_request_mb * 2**20

@@ -19,7 +19,7 @@ from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .settings import Settings, budget, new_cache
-from .streaming import stream_turn
+from .streaming import in_slot, stream_turn
 from .view_state import (
     ViewState, browser_state, close_state, generating, unchanged, wait_for_model,
 )
@@ -251,13 +251,17 @@ class ChatTab:
         """Stream a reply under ``shown``, its text ``so_far`` plus the chunks; at the end
         the conversation as the session holds it, with the chip of a reply cut short."""
         limit = sampling["max_new_tokens"]
-        yield from stream_turn(
+
+        def show(more: str) -> dict:
+            return {self.chatbot: shown + [{"role": "assistant", "content": so_far + more}]}
+
+        yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
             stream,
-            show=lambda more: {self.chatbot: shown + [{"role": "assistant", "content": so_far + more}]},
+            show=show,
             views=lambda final: self.views(values, state, final),
             final=lambda: {self.chatbot: marked(state.shown(), state.session, limit)},
             closed=lambda: state.closed,
-        )
+        ), waiting=lambda note: show(f"*{note}*"))
 
     def views(self, values: dict, state: ChatState, final: bool) -> dict:
         """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""

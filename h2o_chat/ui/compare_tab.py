@@ -25,7 +25,7 @@ from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .settings import Settings, budget, new_cache
-from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle
+from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot
 from .view_state import (
     Snapshot, ViewState, browser_state, close_state, generating, wait_for_model,
 )
@@ -247,6 +247,16 @@ class CompareTab:
 
     def _stream(self, values: dict, state: CompareState, streams: dict, sampling: dict,
                 shown: dict[str, list[dict]], so_far: dict[str, str]) -> Iterator[dict]:
+        """``_replies`` once the turn holds a generation slot (both sides take one)."""
+        def waiting(note: str) -> dict:
+            return {chat: shown[side] + [{"role": "assistant", "content": f"*{note}*"}]
+                    for side, chat in ((BOUNDED, self.bounded_chat), (FULL, self.full_chat))}
+
+        yield from in_slot(self.provider.admission, self.swap.stop_event(values),
+                           self._replies(values, state, streams, sampling, shown, so_far), waiting)
+
+    def _replies(self, values: dict, state: CompareState, streams: dict, sampling: dict,
+                 shown: dict[str, list[dict]], so_far: dict[str, str]) -> Iterator[dict]:
         """Stream the replies of ``streams``' sides under ``shown``, each after its text
         ``so_far``; at the end both conversations as the sessions hold them, with the chip
         of a reply cut short."""

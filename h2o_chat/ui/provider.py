@@ -1,4 +1,5 @@
-"""The one model instance all browser sessions share, loaded in the background."""
+"""The one model instance all browser sessions and API requests share, loaded in the
+background, with the one admission every turn on it takes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from h2o_chat.admission import Admission
+from h2o_chat.config import ServerConfig
 
 from .retention import TokenPieces
 
@@ -24,10 +28,13 @@ class LoadedModel:
 
 class ModelProvider:
     """Loads the model once, in a background thread, so the page opens while it loads;
-    handlers call ``get()``, which waits for it."""
+    handlers call ``get()``, which waits for it. ``admission`` bounds the turns generating
+    at once on the model, over the page and the API together."""
 
-    def __init__(self, loader: Callable[[], tuple[Any, Any]], name: str) -> None:
+    def __init__(self, loader: Callable[[], tuple[Any, Any]], name: str,
+                 admission: Admission | None = None) -> None:
         self._loader, self._name = loader, name
+        self.admission = admission or Admission(ServerConfig.max_concurrent_generations)
         self._done = threading.Event()
         self._loaded: LoadedModel | None = None
         self._error: BaseException | None = None

@@ -19,7 +19,7 @@ from .pin_panel import PinPanel, warn_dropped_pins
 from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
-from .streaming import stream_turn
+from .streaming import in_slot, stream_turn
 from .view_state import ViewState, browser_state, close_state, generating, wait_for_model
 
 GAUGE_LABEL = "Story cache"
@@ -130,13 +130,14 @@ class StoryTab:
             except ValueError as err:
                 raise Refusal(str(err)) from None
             yield {self.state: state}
-            yield from stream_turn(
+            # The story box is the user's text: the wait shows as a toast only.
+            yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
                 stream,
                 show=lambda added: {self.story: story + added},
                 views=lambda final: self.views(values, state, final),
                 final=lambda: {self.story: state.session.text},
                 closed=lambda: state.closed,
-            )
+            ), waiting=lambda note: None)
 
     def on_new(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes

@@ -1,12 +1,16 @@
-"""Pacing of streamed updates: throttled map/gauge pushes and sessions taking turns."""
+"""Pacing of streamed updates: a turn's wait for a generation slot, throttled map/gauge
+pushes and sessions taking turns."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable, Generator, Iterator, Mapping
 
 import gradio as gr
+
+from h2o_chat.admission import Admission
 
 # Map and gauges are pushed at most this often while tokens stream (text goes out on
 # every token): rendering them on every token would slow decoding on a small CPU.
@@ -19,6 +23,27 @@ MAP_INTERVAL_S = 1.0
 # each push re-renders the chatbots, and one push per token of each side kept the page's
 # main thread busy more than a third of the time (tools/measure_page.py).
 TEXT_INTERVAL_S = 0.25
+
+
+def in_slot(admission: Admission, stop: threading.Event, updates: Iterator[dict],
+            waiting: Callable[[str], dict | None]) -> Iterator[dict]:
+    """A turn's page ``updates``, run once the turn holds one of the model's generation
+    slots, which the API's requests take too (Gradio's own queue counts only the page's
+    turns). While it waits, ``waiting(note)`` is shown (if not None) and the note as a
+    toast. A Stop while it waits (``stop`` set) ends the wait; the turn then reads
+    nothing and ends at once."""
+    ticket = admission.request()
+    try:
+        if not ticket.granted:
+            note = (f"Waiting for a free generation slot: the server generates at most "
+                    f"{admission.limit} replies at once, page and API together.")
+            gr.Info(note)
+            if (update := waiting(note)) is not None:
+                yield update
+            ticket.wait(stop)
+        yield from updates
+    finally:
+        ticket.done()
 
 
 class Throttle:
