@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     from h2o_chat.admission import Admission
     from h2o_chat.api.server import create_app, serve
     from h2o_chat.ui.app import build_app
-    from h2o_chat.ui.provider import ModelProvider
+    from h2o_chat.runtime import ModelProvider
 
     model_id = config.model.source or Path(EMBEDDED_GGUF).stem  # as API clients name it
     name = config.model.source or f"{model_id} (embedded)"

@@ -16,7 +16,7 @@ from h2o_chat import ChatSession, make_cache
 from h2o_chat.admission import Admission
 from h2o_chat.api.routes import create_api
 from h2o_chat.config import AppConfig, load_config
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 
 from .browser_support import free_port
 

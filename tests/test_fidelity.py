@@ -9,7 +9,7 @@ import torch
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.fidelity import FidelityProbe, held_positions, kl_divergence
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 from tools.measure_fidelity_cost import CompareView
 
 from .helpers import feed

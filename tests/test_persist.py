@@ -320,7 +320,7 @@ def views(smollm):
 
     from h2o_chat.config import AppConfig, CacheConfig
     from h2o_chat.ui.chat_tab import ChatTab
-    from h2o_chat.ui.provider import ModelProvider
+    from h2o_chat.runtime import ModelProvider
     from h2o_chat.ui.settings import Settings
     from h2o_chat.ui.story_tab import StoryTab
 

@@ -11,7 +11,7 @@ from h2o_chat.config import load_config
 from h2o_chat.pin_text import decode, find_span, token_pieces
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
 from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.settings import Settings
 
 from playwright.sync_api import expect

@@ -11,7 +11,7 @@ from h2o_chat.engine.quant import KVStorage
 from h2o_chat.engine.state import settings_differences
 from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.refusals import Refusal
 from h2o_chat.ui.settings import MODEL_DTYPE, Settings, budget
 from h2o_chat.ui.story_tab import StoryState

@@ -7,7 +7,7 @@ import pytest
 from h2o_chat.config import CacheConfig
 from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.story_tab import StoryState, bible_prefix
 from h2o_chat.ui.view_state import server_load
 

@@ -23,7 +23,7 @@ import gradio as gr  # noqa: E402
 
 from h2o_chat.config import AppConfig  # noqa: E402
 from h2o_chat.ui.compare_tab import CompareTab  # noqa: E402
-from h2o_chat.ui.provider import ModelProvider  # noqa: E402
+from h2o_chat.runtime import ModelProvider  # noqa: E402
 from h2o_chat.ui.settings import Settings  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who guards a library."

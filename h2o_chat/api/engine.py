@@ -30,7 +30,7 @@ from .schema import ChatRequest, Message
 from .stops import StopMatcher
 
 if TYPE_CHECKING:
-    from h2o_chat.ui.provider import ModelProvider
+    from h2o_chat.runtime import ModelProvider
 
 
 @dataclass(frozen=True)

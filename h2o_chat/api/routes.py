@@ -30,7 +30,7 @@ from .responses import DONE, Reply, event
 from .schema import ChatRequest, parse_chat_request, short
 
 if TYPE_CHECKING:
-    from h2o_chat.ui.provider import ModelProvider
+    from h2o_chat.runtime import ModelProvider
 
 
 def create_api(provider: ModelProvider, name: str, config: AppConfig,

@@ -14,7 +14,7 @@ from gradio.networking import setup_tunnel
 
 from h2o_chat.config import AppConfig, ServerConfig
 from h2o_chat.ui.app import launch_options, return_freed_memory
-from h2o_chat.ui.provider import ModelProvider
+from h2o_chat.runtime import ModelProvider
 
 from .routes import create_api
 

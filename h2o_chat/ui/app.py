@@ -10,12 +10,12 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from h2o_chat.config import AppConfig, ServerConfig
+from h2o_chat.runtime import ModelProvider
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap
 from .limits import LoginGate, RequestSizeLimit
-from .provider import ModelProvider
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
 from .story_tab import StoryTab
@@ -43,7 +43,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
     the page shows its progress and handlers wait for it."""
     with gr.Blocks(title="h2o-chat") as demo:
         gr.Markdown(INTRO)
-        status = gr.Markdown(provider.status(), elem_id="model-status")
+        status = gr.Markdown(model_status(provider), elem_id="model-status")
         settings = Settings(config)
         with gr.Tabs():
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
@@ -58,7 +58,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         def refresh() -> dict:
             """Status line; once the model is up, the map pickers learn its shape and
             polling stops."""
-            update = {status: provider.status()}
+            update = {status: model_status(provider)}
             if provider.ready:
                 loaded = provider.get()
                 update[poll] = gr.Timer(active=False)
@@ -91,6 +91,17 @@ def return_freed_memory() -> None:
     come and go (measured: tools/measure_sessions_memory.py)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def model_status(provider: ModelProvider) -> str:
+    """One line of Markdown for the page: loading, ready or failed."""
+    if provider.error is not None:
+        return f"**Model failed to load:** {provider.error}"
+    if not provider.ready:
+        return f"**Loading the model…** ({provider.loading_seconds:.0f} s so far)"
+    m = provider.get()
+    return (f"Model ready: **{m.name}** · {m.layers} layers × {m.kv_heads} KV heads · "
+            f"loaded in {m.load_seconds:.1f} s")
 
 
 def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendStopSwap]) -> None:

@@ -8,6 +8,7 @@ import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
+from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.session import ChatSession
 
 from .controls import SendStopSwap, stop_button
@@ -15,7 +16,6 @@ from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
-from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .settings import Settings, budget, new_cache

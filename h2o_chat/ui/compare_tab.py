@@ -12,6 +12,7 @@ from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.inputs import InputLimits
+from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.session import ChatSession
 
 from .chat_tab import echo_while_loading, shown_messages
@@ -21,9 +22,9 @@ from .gauges import (
     GAUGE_CSS, MEMORY, SLOTS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html,
 )
 from .map_panel import MapPanel
-from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .reply_marker import marked
+from .retention import token_pieces
 from .settings import Settings, budget, new_cache
 from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot
 from .view_state import (
@@ -319,7 +320,8 @@ class CompareTab:
         if at is None:
             line = f"identical so far ({len(replies[FULL])} tokens)"
         else:
-            after = {side: html.escape("".join(state.loaded.pieces(reply[at : at + _CONTEXT_TOKENS])))
+            pieces = token_pieces(state.loaded.tokenizer)
+            after = {side: html.escape("".join(pieces(reply[at : at + _CONTEXT_TOKENS])))
                      for side, reply in replies.items()}
             line = (f'<span data-diverge-at="{at}">first differ at token {at}</span>: '
                     f"{html.escape(state.labels[BOUNDED])} wrote <code>{after[BOUNDED]}</code>, "

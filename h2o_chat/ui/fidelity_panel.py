@@ -11,7 +11,7 @@ import pandas as pd
 
 from h2o_chat.fidelity import FidelityPoint, FidelityProbe
 
-from .retention import MAX_MAP_TOKENS
+from .retention import MAX_MAP_TOKENS, token_pieces
 from .view_state import unchanged
 
 AGREE, DIFFER = "same top token", "top token differs"
@@ -200,7 +200,8 @@ class FidelityPanel:
             return {self.step: step, self.detail: note}
         loaded = state.loaded
         return {self.step: point.position,
-                self.detail: forgotten_html(point, tokens, loaded.pieces, loaded.layers * loaded.kv_heads)}
+                self.detail: forgotten_html(point, tokens, token_pieces(loaded.tokenizer),
+                                            loaded.layers * loaded.kv_heads)}
 
     def on_select(self, state, event: gr.SelectData) -> dict:
         probe = state.probe if state else None

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import gradio as gr
 
 from h2o_chat.engine.cache import CacheStats
+from h2o_chat.runtime import LoadedModel
 
 from . import retention
 from .gauges import Gauge, gauge_html
-from .provider import LoadedModel
 from .view_state import Snapshot, ViewState, unchanged
 
 ALL = -1  # picker value for "every layer" / "every KV head"
@@ -105,7 +105,7 @@ class MapPanel:
         limit, note = ((retention.LIVE_MAP_TOKENS, " while the reply streams; all at its end")
                        if streaming else (retention.MAX_MAP_TOKENS, ""))
         token_map, heat_map = retention.maps_html(
-            loaded.pieces(tokens), stats, loaded.kv_heads,
+            retention.token_pieces(loaded.tokenizer)(tokens), stats, loaded.kv_heads,
             _picked(values[self.layer]), _picked(values[self.head]), limit, note)
         return {self.tokens: token_map, self.heat: heat_map}
 

@@ -11,6 +11,7 @@ import base64
 import html
 import io
 import math
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -316,6 +317,15 @@ def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
                          blocks_note(stats.policy, stats.pinned, evicted)))
 
 
+def token_pieces(tokenizer) -> TokenPieces:
+    """The one ``TokenPieces`` of ``tokenizer``, which every view on it shares (its cache
+    of decoded ids fills once per server)."""
+    pieces = _PIECES.get(tokenizer)
+    if pieces is None:
+        pieces = _PIECES[tokenizer] = TokenPieces(tokenizer)
+    return pieces
+
+
 class TokenPieces:
     """The display text of token ids, decoded once per id: a long conversation's map is
     rebuilt several times a second, and most of its tokens repeat."""
@@ -332,3 +342,6 @@ class TokenPieces:
                 text[token] = self._tokenizer.decode([token], skip_special_tokens=False,
                                                      clean_up_tokenization_spaces=False)
         return [text[token] for token in ids]
+
+
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

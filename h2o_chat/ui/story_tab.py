@@ -9,6 +9,7 @@ import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
+from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.session import StorySession
 
 from .controls import SendStopSwap, stop_button
@@ -16,7 +17,6 @@ from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
-from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import gradio as gr
 
 from h2o_chat.config import ServerConfig
+from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.session import Session, SessionStats
 
-from .provider import LoadedModel, ModelProvider
 from .refusals import Refusal
 from .streaming import MAP_INTERVAL_S, Throttle
 

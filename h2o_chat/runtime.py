@@ -1,5 +1,6 @@
-"""The one model instance all browser sessions and API requests share, loaded in the
-background, with the one admission every turn on it takes."""
+"""The model's owner: the one model instance the page's sessions and the API's requests
+share, loaded in the background, with the one admission every turn on it takes. Both
+doors get it; it knows nothing of either."""
 
 from __future__ import annotations
 
@@ -9,17 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from h2o_chat.admission import Admission
-from h2o_chat.config import ServerConfig
-
-from .retention import TokenPieces
+from .admission import Admission
+from .config import ServerConfig
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: Any
     tokenizer: Any
-    pieces: TokenPieces
     name: str
     layers: int
     kv_heads: int
@@ -52,7 +50,6 @@ class ModelProvider:
             self._loaded = LoadedModel(
                 model=model,
                 tokenizer=tokenizer,
-                pieces=TokenPieces(tokenizer),
                 name=self._name,
                 layers=config.num_hidden_layers,
                 kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -84,12 +81,7 @@ class ModelProvider:
             raise RuntimeError(f"the model failed to load: {self._error}")
         return self._loaded
 
-    def status(self) -> str:
-        """One line of Markdown for the page: loading, ready or failed."""
-        if self._error is not None:
-            return f"**Model failed to load:** {self._error}"
-        if self._loaded is None:
-            return f"**Loading the model…** ({time.monotonic() - self._started:.0f} s so far)"
-        m = self._loaded
-        return (f"Model ready: **{m.name}** · {m.layers} layers × {m.kv_heads} KV heads · "
-                f"loaded in {m.load_seconds:.1f} s")
+    @property
+    def loading_seconds(self) -> float:
+        """Seconds since loading began (how long a page has been waiting)."""
+        return time.monotonic() - self._started
