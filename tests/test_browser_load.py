@@ -188,10 +188,11 @@ def _until(app_url: str, condition) -> dict[str, float]:
 
 
 def _long_api_reply(app_url: str) -> socket.socket:
-    """A streamed API request for a long reply, on a socket the test closes to leave."""
+    """A streamed API request for a reply that outlasts the test (the test closes its
+    socket to leave), on a socket of its own."""
     host, port = app_url.rstrip("/").removeprefix("http://").split(":")
     body = json.dumps({"messages": [{"role": "user", "content": "Count to five hundred."}], "stream": True,
-                       "max_tokens": 500, "ignore_eos": True}).encode()
+                       "max_tokens": 32768, "ignore_eos": True}).encode()
     connection = socket.create_connection((host, int(port)))
     connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
                        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)

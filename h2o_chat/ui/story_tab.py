@@ -20,7 +20,7 @@ from .pin_panel import PinPanel, warn_dropped_pins
 from .refusals import Refusal, refusing
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
-from .view_state import ViewState, browser_state, close_state, generating, wait_for_model
+from .view_state import ViewState, browser_state, close_state, generating, unchanged, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -113,6 +113,7 @@ class StoryTab:
             raise Refusal("Write a beginning (or a story bible) to continue from.")
         if not self.provider.ready:
             gr.Info("Waiting for the model to load…")
+            yield unchanged(self.story)  # sends the toast now (see streaming.in_slot)
         loaded = wait_for_model(self.provider)
         state = values[self.state]
         if state is None or not state.continues(bible, story):
@@ -137,7 +138,7 @@ class StoryTab:
                 views=lambda final: self.views(values, state, final),
                 final=lambda: {self.story: state.session.text},
                 closed=lambda: state.closed,
-            ), waiting=lambda note: None)
+            ), waiting=lambda note: unchanged(self.story))
 
     def on_new(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes

@@ -26,20 +26,21 @@ TEXT_INTERVAL_S = 0.25
 
 
 def in_slot(admission: Admission, stop: threading.Event, updates: Iterator[dict],
-            waiting: Callable[[str], dict | None]) -> Iterator[dict]:
+            waiting: Callable[[str], dict]) -> Iterator[dict]:
     """A turn's page ``updates``, run once the turn holds one of the model's generation
     slots, which the API's requests take too (Gradio's own queue counts only the page's
-    turns). While it waits, ``waiting(note)`` is shown (if not None) and the note as a
-    toast. A Stop while it waits (``stop`` set) ends the wait; the turn then reads
-    nothing and ends at once."""
+    turns). While it waits, the note shows as a toast and as the update ``waiting(note)``.
+    A Stop while it waits (``stop`` set) ends the wait; the turn then reads nothing and
+    ends at once."""
     ticket = admission.request()
     try:
         if not ticket.granted:
             note = (f"Waiting for a free generation slot: the server generates at most "
                     f"{admission.limit} replies at once, page and API together.")
             gr.Info(note)
-            if (update := waiting(note)) is not None:
-                yield update
+            # An update goes out through the event loop, and the toast with it: a toast
+            # alone, raised in this thread, waits for the loop's next wake-up (seconds).
+            yield waiting(note)
             ticket.wait(stop)
         yield from updates
     finally:
