@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from h2o_chat import ChatSession
+from h2o_chat.bench.client import read_metrics
 from h2o_chat.api.stops import StopMatcher
 from h2o_chat.config import load_config
 from h2o_chat.engine.budget import token_bytes
@@ -194,8 +195,7 @@ def test_raw_server_sent_events(url):
 
 
 def metric(url, name):
-    return float(next(line.split()[1] for line in httpx.get(url + "/metrics").text.splitlines()
-                      if line.startswith(name + " ")))
+    return read_metrics(url)[name]
 
 
 def test_a_client_that_leaves_stops_its_reply(url):

@@ -5,18 +5,17 @@ prompt it had read. (How fast it stops is the benchmark's business: tools/measur
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import httpx
 import pytest
 
+from h2o_chat.bench.client import at_rest, send_chat, wait_for_metrics
+
 from .api_support import api_config, serving
 
 # About 3,300 prompt tokens: read whole, the prompt would take seconds on a small CPU.
 PROMPT = " ".join(f"Line {i}: the keeper of the lighthouse counted {i * 7} ships tonight." for i in range(300))
-PROMPT_TOKENS = 3000  # fewer than the prompt has
 PIECES = 4 * 256  # what the server may read after the client left: the chunk under way, and more
 
 
@@ -27,37 +26,8 @@ def url(smollm):
         yield url
 
 
-def metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def cancelled(stage: str) -> str:
     return f'h2o_chat_cancelled_turns_total{{stage="{stage}"}}'
-
-
-def until(url: str, condition, timeout: float = 60) -> dict[str, float]:
-    """The metrics once ``condition(metrics)`` holds (waiting for the server, not for time)."""
-    deadline = time.monotonic() + timeout
-    while not condition(seen := metrics(url)):
-        assert time.monotonic() < deadline, seen
-        time.sleep(0.05)
-    return seen
-
-
-def send_raw(url: str, body: dict) -> socket.socket:
-    """A client nobody here wrote would do the same: a request on a socket of its own."""
-    host, port = url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
-    connection = socket.create_connection((host, int(port)))
-    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + f"{host}:{port}".encode()
-                       + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                       + str(len(data)).encode() + b"\r\n\r\n" + data)
-    return connection
 
 
 def long_request(stream: bool) -> dict:
@@ -65,20 +35,15 @@ def long_request(stream: bool) -> dict:
             "temperature": 0}
 
 
-def at_rest(seen: dict[str, float]) -> bool:
-    return (seen["h2o_chat_active_generations"] == seen["h2o_chat_queued_requests"]
-            == seen["h2o_chat_scheduler_turns"] == 0)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("after_s", [0.005, 0.02])
 def test_a_client_gone_right_after_its_request_stops_the_prefill(url, stream, after_s):
-    before = until(url, at_rest)
-    connection = send_raw(url, long_request(stream))
+    before = wait_for_metrics(url, at_rest)
+    connection = send_chat(url, long_request(stream))
     time.sleep(after_s)
     connection.close()
     stages = ("queued", "prefill", "decode")
-    seen = until(url, lambda m: at_rest(m) and sum(m[cancelled(s)] for s in stages)
+    seen = wait_for_metrics(url, lambda m: at_rest(m) and sum(m[cancelled(s)] for s in stages)
                  > sum(before[cancelled(s)] for s in stages))
     assert seen[cancelled("prefill")] - before[cancelled("prefill")] == 1
     assert seen["h2o_chat_generated_tokens_total"] == before["h2o_chat_generated_tokens_total"]
@@ -87,18 +52,18 @@ def test_a_client_gone_right_after_its_request_stops_the_prefill(url, stream, af
 
 
 def test_a_client_gone_while_queued_never_starts(url):
-    before = until(url, at_rest)
-    first = send_raw(url, {"messages": [{"role": "user", "content": "Count to five hundred."}],
+    before = wait_for_metrics(url, at_rest)
+    first = send_chat(url, {"messages": [{"role": "user", "content": "Count to five hundred."}],
                            "stream": True, "max_tokens": 500, "temperature": 0, "ignore_eos": True})
-    until(url, lambda m: m["h2o_chat_active_generations"] == m["h2o_chat_scheduler_turns"] == 1)
-    waiting = send_raw(url, long_request(True))
-    until(url, lambda m: m["h2o_chat_queued_requests"] == 1)
+    wait_for_metrics(url, lambda m: m["h2o_chat_active_generations"] == m["h2o_chat_scheduler_turns"] == 1)
+    waiting = send_chat(url, long_request(True))
+    wait_for_metrics(url, lambda m: m["h2o_chat_queued_requests"] == 1)
     waiting.close()
-    seen = until(url, lambda m: m["h2o_chat_queued_requests"] == 0)
+    seen = wait_for_metrics(url, lambda m: m["h2o_chat_queued_requests"] == 0)
     assert seen[cancelled("queued")] - before[cancelled("queued")] == 1
     assert seen["h2o_chat_active_generations"] == 1  # the first goes on
     first.close()
-    seen = until(url, at_rest)
+    seen = wait_for_metrics(url, at_rest)
     assert seen[cancelled("decode")] - before[cancelled("decode")] == 1
     assert seen[cancelled("prefill")] == before[cancelled("prefill")]
     # Only the first request's short prompt was read, never the waiting one's.
@@ -109,10 +74,10 @@ def test_a_client_gone_while_queued_never_starts(url):
 def test_a_client_that_stays_gets_the_whole_reply_after_others_left(url):
     """The server stays whole: a request after the abandoned ones is answered in full,
     and its prompt is read in full."""
-    before = until(url, at_rest)
+    before = wait_for_metrics(url, at_rest)
     reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
-    seen = until(url, at_rest)
+    seen = wait_for_metrics(url, at_rest)
     assert seen["h2o_chat_prefill_tokens_total"] - before["h2o_chat_prefill_tokens_total"] == \
         reply.json()["usage"]["prompt_tokens"]

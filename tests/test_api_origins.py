@@ -8,6 +8,7 @@ import re
 import httpx
 import pytest
 
+from h2o_chat.bench.client import read_metrics
 from h2o_chat.config import ConfigError, load_config
 
 from .api_support import CACHE, MODEL_ID, serving
@@ -24,8 +25,7 @@ def url(smollm):
 
 
 def generated(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return float(re.search(r"^h2o_chat_generated_tokens_total (\S+)$", text, re.M).group(1))
+    return read_metrics(url)["h2o_chat_generated_tokens_total"]
 
 
 def post(url: str, headers: dict[str, str], content: bytes | None = None) -> httpx.Response:

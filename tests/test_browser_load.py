@@ -4,15 +4,13 @@ generation limit, and sessions freed when their tabs close."""
 
 from __future__ import annotations
 
-import json
 import re
 import socket
-import time
 
-import httpx
 import pytest
 
 from h2o_chat import ChatSession
+from h2o_chat.bench.client import send_chat, wait_for_metrics
 from h2o_chat.config import load_config
 from h2o_chat.ui.settings import new_cache
 
@@ -173,30 +171,15 @@ def test_stop_while_waiting_in_the_queue_ends_the_turn_before_it_reads_a_token(b
             page.context.close()
 
 
-def _metrics(app_url: str) -> dict[str, float]:
-    text = httpx.get(app_url.rstrip("/") + "/metrics", timeout=30).text
-    return {name: float(value) for name, value in
-            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
-
-
 def _until(app_url: str, condition) -> dict[str, float]:
-    deadline = time.monotonic() + DONE_TIMEOUT_MS / 1000
-    while not condition(seen := _metrics(app_url)):
-        assert time.monotonic() < deadline, seen
-        time.sleep(0.05)
-    return seen
+    return wait_for_metrics(app_url, condition, timeout=DONE_TIMEOUT_MS / 1000)
 
 
 def _long_api_reply(app_url: str) -> socket.socket:
     """A streamed API request for a reply that outlasts the test (the test closes its
-    socket to leave), on a socket of its own."""
-    host, port = app_url.rstrip("/").removeprefix("http://").split(":")
-    body = json.dumps({"messages": [{"role": "user", "content": "Count to five hundred."}], "stream": True,
-                       "max_tokens": 32768, "ignore_eos": True}).encode()
-    connection = socket.create_connection((host, int(port)))
-    connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
-                       f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    return connection
+    socket to leave)."""
+    return send_chat(app_url, {"messages": [{"role": "user", "content": "Count to five hundred."}],
+                               "stream": True, "max_tokens": 32768, "ignore_eos": True})
 
 
 def test_page_and_api_turns_share_one_admission(browser, app_url):

@@ -6,13 +6,12 @@ runs: its own metrics count the refusals and no token is generated."""
 
 from __future__ import annotations
 
-import re
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
+
+from h2o_chat.bench.client import read_metrics, wait_for_metrics
 
 # What the page does once loaded; it reports what it could read back to the test.
 HOSTILE_PAGE = """<!doctype html><html><body>
@@ -36,11 +35,6 @@ window.attempts = (async () => {
 })();
 </script></body></html>"""
 ATTEMPTS = 4  # requests the page sends that reach the server
-
-
-def metric(app_url: str, pattern: str) -> float:
-    text = httpx.get(app_url.rstrip("/") + "/metrics", timeout=30).text
-    return float(re.search(rf"^{pattern} (\S+)$", text, re.M).group(1))
 
 
 @pytest.fixture
@@ -67,18 +61,15 @@ def hostile_origin(app_url):
 
 
 def test_a_page_on_another_origin_can_make_the_app_do_nothing(browser, app_url, hostile_origin):
-    refused = r'h2o_chat_refused_requests_total\{code="forbidden_origin"\}'
-    before = (metric(app_url, refused), metric(app_url, "h2o_chat_generated_tokens_total"))
+    refused, generated = 'h2o_chat_refused_requests_total{code="forbidden_origin"}', "h2o_chat_generated_tokens_total"
+    before = read_metrics(app_url)
     context = browser.new_context()
     try:
         page = context.new_page()
         page.goto(hostile_origin)
         assert page.evaluate("window.attempts") == "blocked"
         # The server decides: wait until it has refused every attempt.
-        deadline = time.monotonic() + 30
-        while metric(app_url, refused) < before[0] + ATTEMPTS:
-            assert time.monotonic() < deadline, metric(app_url, refused) - before[0]
-            time.sleep(0.05)
+        wait_for_metrics(app_url, lambda m: m[refused] >= before[refused] + ATTEMPTS, timeout=30)
     finally:
         context.close()
-    assert metric(app_url, "h2o_chat_generated_tokens_total") == before[1]
+    assert read_metrics(app_url)[generated] == before[generated]

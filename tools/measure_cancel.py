@@ -15,48 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import urllib.request
 
 from h2o_chat.bench.api import server
+from h2o_chat.bench.client import Metrics, at_rest, send_chat, wait_for_metrics
 
 STAGES = ("queued", "prefill", "decode")
 
 
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {name: float(value) for name, value in
-            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
-
-
-def cancelled(seen: dict[str, float]) -> dict[str, float]:
+def cancelled(seen: Metrics) -> dict[str, float]:
     return {stage: seen[f'h2o_chat_cancelled_turns_total{{stage="{stage}"}}'] for stage in STAGES}
 
 
-def at_rest(seen: dict[str, float]) -> bool:
-    return (seen["h2o_chat_active_generations"] == seen["h2o_chat_queued_requests"]
-            == seen["h2o_chat_scheduler_turns"] == 0)
-
-
-def until(url: str, condition, timeout: float = 600) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while not condition(seen := metrics(url)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not settle within {timeout} s")
-        time.sleep(0.01)
-    return seen
-
-
-def send(url: str, body: dict) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
-    connection = socket.create_connection((host, int(port)))
-    connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
-                       f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-    return connection
+def until(url: str, condition) -> Metrics:
+    return wait_for_metrics(url, condition, timeout=600, poll_s=0.01)
 
 
 def leave(url: str, prompt: str, after_s: float | None) -> tuple[float, str, float]:
@@ -66,11 +40,11 @@ def leave(url: str, prompt: str, after_s: float | None) -> tuple[float, str, flo
     before = until(url, at_rest)
     blocker = None
     if after_s is None:
-        blocker = send(url, {"messages": [{"role": "user", "content": "Count to a thousand."}],
-                             "stream": True, "max_tokens": 2000, "ignore_eos": True})
+        blocker = send_chat(url, {"messages": [{"role": "user", "content": "Count to a thousand."}],
+                                  "stream": True, "max_tokens": 2000, "ignore_eos": True})
         until(url, lambda m: m["h2o_chat_scheduler_turns"] == 1)
-    connection = send(url, {"messages": [{"role": "user", "content": prompt}], "stream": True,
-                            "max_tokens": 16, "temperature": 0})
+    connection = send_chat(url, {"messages": [{"role": "user", "content": prompt}], "stream": True,
+                                 "max_tokens": 16, "temperature": 0})
     if after_s is None:
         until(url, lambda m: m["h2o_chat_queued_requests"] == 1)
     else:

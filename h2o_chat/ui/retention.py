@@ -317,6 +317,9 @@ def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
                          blocks_note(stats.policy, stats.pinned, evicted)))
 
 
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenPieces
+
+
 def token_pieces(tokenizer) -> TokenPieces:
     """The one ``TokenPieces`` of ``tokenizer``, which every view on it shares (its cache
     of decoded ids fills once per server)."""
@@ -342,6 +345,3 @@ class TokenPieces:
                 text[token] = self._tokenizer.decode([token], skip_special_tokens=False,
                                                      clean_up_tokenization_spaces=False)
         return [text[token] for token in ids]
-
-
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
