@@ -35,8 +35,9 @@ def in_slot(admission: Admission, stop: threading.Event, updates: Iterator[dict]
     ticket = admission.request()
     try:
         if not ticket.granted:
+            replies = "reply" if admission.limit == 1 else "replies"
             note = (f"Waiting for a free generation slot: the server generates at most "
-                    f"{admission.limit} replies at once, page and API together.")
+                    f"{admission.limit} {replies} at once, page and API together.")
             gr.Info(note)
             # An update goes out through the event loop, and the toast with it: a toast
             # alone, raised in this thread, waits for the loop's next wake-up (seconds).
