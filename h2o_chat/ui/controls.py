@@ -70,9 +70,12 @@ class SendStopSwap:
         stop.click(_stop, [state, self.signal], None, concurrency_limit=None, show_progress="hidden")
 
     def on(self, triggers: list[EventListenerMethod]) -> None:
-        def start(view: ViewState | None, signal: StopSignal) -> tuple[gr.Button, gr.Button]:
-            if view is None or not view.streaming:  # else the turn asked for is refused
-                signal.renew()  # a Stop of an earlier turn must not stop this one
+        def start(view: ViewState | None, signal: StopSignal) -> tuple:
+            if view is not None and view.streaming:
+                # The turn asked for will be refused; the running one's Stop stays. Its
+                # signal stays too: a Stop of this turn is a Stop of the running one.
+                return gr.skip(), gr.skip()
+            signal.renew()  # a Stop of an earlier turn must not stop this one
             return gr.Button(visible=False), gr.Button(visible=True)
 
         self.started = gr.on(triggers, start, [self.state, self.signal], [self.send, self.stop],
@@ -87,9 +90,13 @@ class SendStopSwap:
         refused second turn ends while the first still streams)."""
         self.turns += events
 
-        def after(view: ViewState | None) -> tuple[gr.Button, gr.Button]:
-            running = view is not None and view.streaming
-            return gr.Button(visible=not running), gr.Button(visible=running)
+        def after(view: ViewState | None) -> tuple:
+            if view is not None and view.streaming:
+                # Left to the running turn's own ``after``. Answering "Stop" here could
+                # reach the page after that one's "Send" (the two replies race on a busy
+                # machine), leaving Stop shown with nothing to stop.
+                return gr.skip(), gr.skip()
+            return gr.Button(visible=True), gr.Button(visible=False)
 
         for event in events:
             event.then(after, [self.state], [self.send, self.stop], queue=False,
