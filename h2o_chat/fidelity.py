@@ -19,6 +19,7 @@ import torch
 
 from .engine.build import make_cache
 from .engine.cache import H2OCache
+from .scheduler import forward_one
 from .session import Session
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
@@ -129,8 +130,9 @@ class FidelityProbe:
 
     def _feed(self, ids: Sequence[int]) -> torch.Tensor:
         chunk = torch.tensor([list(ids)], device=self.session.model.device)
-        # Through the session's scheduler: the shadow's steps batch with everyone's.
-        logits = self.session.runner.forward(self.shadow, chunk)
+        # Called from the session's pass observer, in the thread that runs the model's
+        # passes: the shadow's pass runs there too, between the session's two steps.
+        logits = forward_one(self.session.model, self.shadow, chunk)
         self.shadow_tokens += ids
         return logits
 

@@ -1,120 +1,103 @@
-"""One worker per model runs every forward pass: the next token of every conversation
-that is decoding goes through the model as one batch (continuous batching), and long
-prompts are fed one piece per step in between, so a long paste delays the others by
-about one chunk, never by the whole paste.
+"""One worker per model runs every forward pass and samples every token: each step
+feeds the next token of every conversation that is decoding as one batch (continuous
+batching), and one piece of each long prompt in between, so a long paste delays the
+others by about one piece, never by the whole paste.
 
-Callers (sessions, the fidelity probe) keep their own state and threads: a caller hands
-``forward`` one chunk of tokens for one cache and blocks until the worker has run it.
-Conversations join and leave a batch at any step, since a batch is simply what is
-pending when a step starts. Each conversation's cache stays its own object, with its own
-scores, evictions, pins, positions and policy (see ``engine.rows``).
+A caller (a session) hands the worker a ``Generation`` (see ``generation``) and reads the
+token ids it samples; the worker feeds each sampled token back in its next step, so no
+token waits for its caller. Conversations join and leave a batch at any step, since a
+batch is simply the generations running when a step starts. Each conversation's cache
+stays its own object, with its own scores, evictions, pins, positions and policy (see
+``engine.rows``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 
 import torch
 from transformers.cache_utils import Cache
 
 from .engine.rows import RowsCache
+from .generation import Generation
 
-# How long a step waits for the conversations still sampling their previous token to
-# hand in their next one, and a conversation starting a turn for others starting theirs
-# (so replies begun together run as one batch from their first token). Each caller needs
-# about a millisecond between steps; a caller whose reader stalls (a slow client) costs
-# the others at most this much per step.
-GATHER_S = 0.004
 # A prompt is fed at most this many tokens per step, so a conversation that arrives
 # while a long paste is being read waits for one piece, not a whole chunk. On the 2-core
 # development machine 64-token pieces cost about what whole 256-token chunks cost.
 PREFILL_PIECE = 64
 
 
-@dataclass
-class _Request:
-    cache: Cache
-    ids: torch.Tensor  # (1, n) token ids
-    fed: int = 0  # of which the worker has fed (a prompt goes in pieces)
-    stop: threading.Event | None = None  # set: feed no further piece of a prompt
-    done: threading.Event = field(default_factory=threading.Event)
-    logits: torch.Tensor | None = None  # (vocab,) of the last token, once run
-    error: BaseException | None = None
-
-
 class TakeTurns:
-    """Every caller runs its own forward pass, one at a time per model: what the app did
-    before batching, kept to measure batching against."""
+    """Every caller runs its own forward passes in its own thread, one pass at a time per
+    model: what the app did before batching, kept to measure batching against and as the
+    reference a batched reply must equal."""
 
     def __init__(self, model) -> None:
         self.model = model
         self._lock = threading.Lock()
 
-    @contextmanager
-    def turn(self) -> Iterator[None]:
-        yield
-
-    def forward(self, cache: Cache, ids: torch.Tensor, stop: threading.Event | None = None) -> torch.Tensor:
-        """``BatchScheduler.forward``, in one pass: ``stop`` cannot cut it short."""
-        with self._lock, torch.inference_mode():
-            return forward_one(self.model, cache, ids)
+    def generate(self, generation: Generation) -> Iterator[int]:
+        """``BatchScheduler.generate``, one whole chunk per pass: a stop takes effect
+        between chunks."""
+        try:
+            while not generation.done.is_set():
+                with self._lock, torch.inference_mode(), generation.lock:
+                    if generation.stopping:
+                        generation.end("stopped")
+                        break
+                    end = generation.chunk_end
+                    ids = torch.tensor([generation.tokens[generation.fed : end]], device=self.model.device)
+                    try:
+                        generation.fed_to(end, forward_one(self.model, generation.cache, ids))
+                    except BaseException as err:  # the caller puts its cache back in step
+                        generation.end("failed", err)
+                yield from generation.ready()
+        finally:
+            if not generation.done.is_set():  # closed early
+                generation.end("stopped")
+        yield from generation.ready()
 
 
 class BatchScheduler:
-    """The worker that owns ``model``'s forward passes (see the module docstring)."""
+    """The worker that owns ``model``'s forward passes (see the module docstring).
 
-    def __init__(self, model, gather_s: float = GATHER_S, max_batch: int = 64,
+    ``gather_s``: a generation arriving while none waits holds its first step this long
+    for others arriving with it, so turns started together run together from their first
+    piece (batched rows round differently than one row alone). The rows already running
+    go on meanwhile. Zero by default: tests use it to make batches reproducible."""
+
+    def __init__(self, model, gather_s: float = 0.0, max_batch: int = 64,
                  prefill_piece: int = PREFILL_PIECE) -> None:
         # Weak: the scheduler is kept per model in a weak dictionary, which a strong
         # reference back would keep alive for ever.
         self._model = weakref.ref(model)
         self.gather_s, self.max_batch, self.prefill_piece = gather_s, max_batch, prefill_piece
-        self._pending: list[_Request] = []
-        self._turns = 0  # callers in a turn: each will hand in requests until it ends
+        self._arriving: list[Generation] = []
+        self._arrived_at = 0.0  # when the first of them arrived
+        self._running: list[Generation] = []
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
-        self.steps = 0  # forward passes run, for stats
+        self.steps = 0  # forward steps run, for stats
         self.batched_rows = 0  # decode rows run in batches of more than one
 
-    @contextmanager
-    def turn(self) -> Iterator[None]:
-        """Announce a run of requests (a reply): the worker waits briefly for every
-        caller in a turn before a step, so replies decoding together batch together."""
+    def generate(self, generation: Generation) -> Iterator[int]:
+        """Run ``generation`` (see ``Generation.stream`` for what comes out)."""
         with self._changed:
-            self._turns += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._turns -= 1
-                self._changed.notify_all()
-
-    def forward(self, cache: Cache, ids: torch.Tensor, stop: threading.Event | None = None
-                ) -> torch.Tensor | None:
-        """Feed ``ids`` ``(1, n)`` to ``cache`` and return the logits of the last token,
-        ``(vocab,)``, once the worker has run it (alone or in a batch). None when ``stop``
-        was set before the prompt's last piece: the cache then holds the pieces fed
-        before (``cache.get_seq_length()`` says how far it got), evicted to its budget."""
-        if ids.shape[1] < 1:  # the worker would never take it, and the caller wait for ever
-            raise ValueError("forward needs at least one token")
-        request = _Request(cache, ids, stop=stop)
-        with self._changed:
-            self._pending.append(request)
+            if not self._arriving:
+                self._arrived_at = time.monotonic()
+            self._arriving.append(generation)
             self._start_worker()
             self._changed.notify_all()
-        request.done.wait()
-        if request.error is not None:
-            raise request.error
-        return request.logits
+        return generation.stream()
 
-    def load(self) -> tuple[int, int]:
-        """Callers in a turn, and requests waiting for the worker now."""
+    def load(self) -> int:
+        """Generations under way now (arriving or running)."""
         with self._changed:
-            return self._turns, len(self._pending)
+            return len(self._arriving) + len(self._running)
 
     # ---- the worker -----------------------------------------------------------------------
 
@@ -126,93 +109,98 @@ class BatchScheduler:
                                             name="h2o-chat-scheduler", daemon=True)
             self._worker.start()
 
-    def _next_step(self, timeout: float) -> tuple[list[_Request], list[_Request]] | None:
-        """The decode rows of the next step and the prompts to feed one piece of each;
-        None when nothing came within ``timeout``."""
+    def _next_step(self, timeout: float) -> list[Generation] | None:
+        """The generations of the next step; None when none came within ``timeout``."""
         with self._changed:
-            if not self._changed.wait_for(lambda: self._pending, timeout=timeout):
+            if not self._changed.wait_for(lambda: self._arriving or self._running, timeout=timeout):
                 return None
-            # A prompt not begun yet is a turn starting: give the others starting
-            # theirs the whole window, so what runs together does not depend on which
-            # thread got there first (batched rows compute with other rounding than one
-            # row alone).
-            self._changed.wait_for(lambda: len(self._pending) >= self._turns
-                                   and not any(r.fed == 0 and r.ids.shape[1] > 1 for r in self._pending),
-                                   timeout=self.gather_s)
-            decode = [r for r in self._pending if r.ids.shape[1] == 1][: self.max_batch]
-            prompts = [r for r in self._pending if r.ids.shape[1] > 1]
-            taken = {id(r) for r in decode + prompts}
-            self._pending = [r for r in self._pending if id(r) not in taken]
-            return decode, prompts
+            if self._arriving:
+                due = self._arrived_at + self.gather_s
+                if not self._running:  # nothing else to do meanwhile
+                    while (left := due - time.monotonic()) > 0:
+                        self._changed.wait(left)
+                if time.monotonic() >= due:
+                    self._running += self._arriving
+                    self._arriving = []
+            return list(self._running)
 
-    def _run(self, decode: list[_Request], prompts: list[_Request]) -> None:
+    def _run(self, generations: list[Generation]) -> None:
         model = self._model()  # alive: every caller holds it
         with torch.inference_mode():
-            for prompt in prompts:
-                if prompt.stop is not None and prompt.stop.is_set():
-                    _give_up(prompt)
-                else:
-                    self._feed_piece(model, prompt, min(prompt.ids.shape[1], prompt.fed + self.prefill_piece))
-            if len(decode) == 1:
-                _settle(decode, lambda: [forward_one(model, decode[0].cache, decode[0].ids)])
-            elif decode:
-                _settle(decode, lambda: forward_rows(model, [r.cache for r in decode],
-                                                     torch.cat([r.ids for r in decode])))
-                self.batched_rows += len(decode)
+            for generation in generations:
+                if generation.stopping:
+                    _give_up(generation)
+            # Chosen before any runs: a generation that ends in this step lets go of its
+            # token list, which its caller may then change.
+            going = [g for g in generations if not g.done.is_set()]
+            decode = [g for g in going if g.is_decode][: self.max_batch]
+            for prompt in (g for g in going if not g.is_decode):
+                self._feed_piece(model, prompt)
+            if decode:
+                self._decode(model, decode)
         self.steps += 1
+        with self._changed:
+            self._running = [g for g in self._running if not g.done.is_set()]
 
-    def _feed_piece(self, model, prompt: _Request, end: int) -> None:
-        """Feed ``prompt``'s tokens up to ``end``; it is answered once fed whole. The
-        cache evicts only after the last piece, so pieces keep what one pass would."""
-        whole = prompt.fed == 0 and end == prompt.ids.shape[1]
-        try:
-            if not whole:
-                prompt.cache.hold_eviction(True)
-            logits = forward_one(model, prompt.cache, prompt.ids[:, prompt.fed : end])
-            if not whole and end == prompt.ids.shape[1]:
-                prompt.cache.hold_eviction(False)
-        except BaseException as err:  # reported to the caller; the worker carries on
-            prompt.error = err
-            prompt.done.set()
-            return
-        prompt.fed = end
-        if end < prompt.ids.shape[1]:
-            with self._changed:
-                self._pending.append(prompt)
-            return
-        prompt.logits = logits
-        prompt.done.set()
+    def _feed_piece(self, model, prompt: Generation) -> None:
+        """Feed the next piece of ``prompt``'s chunk. The cache evicts only after the
+        chunk's last piece, so pieces keep what one pass would."""
+        end = min(prompt.chunk_end, prompt.fed + self.prefill_piece)
+        whole = prompt.fed == prompt.chunk_start and end == prompt.chunk_end
+        with prompt.lock:
+            try:
+                if not whole:
+                    prompt.cache.hold_eviction(True)
+                ids = torch.tensor([prompt.tokens[prompt.fed : end]], device=model.device)
+                logits = forward_one(model, prompt.cache, ids)
+                if not whole and end == prompt.chunk_end:
+                    prompt.cache.hold_eviction(False)
+                prompt.fed_to(end, logits)
+            except BaseException as err:  # reported to the caller; the worker carries on
+                prompt.end("failed", err)
+
+    def _decode(self, model, rows: list[Generation]) -> None:
+        """One pass for the next token of every row, then each row samples its next."""
+        with ExitStack() as held:
+            for row in rows:
+                held.enter_context(row.lock)
+            ids = torch.tensor([[row.tokens[row.fed]] for row in rows], device=model.device)
+            try:
+                if len(rows) == 1:
+                    logits = [forward_one(model, rows[0].cache, ids)]
+                else:
+                    logits = forward_rows(model, [row.cache for row in rows], ids)
+                    self.batched_rows += len(rows)
+            except BaseException as err:  # every row's cache is for its caller to put back
+                for row in rows:
+                    row.end("failed", err)
+                return
+            for row, row_logits in zip(rows, logits, strict=True):
+                try:
+                    row.fed_to(row.fed + 1, row_logits)
+                except BaseException as err:
+                    row.end("failed", err)
 
 
 def _work(scheduler_ref: weakref.ref) -> None:
     while (scheduler := scheduler_ref()) is not None:
         step = scheduler._next_step(timeout=1.0)
-        if step is not None:
-            scheduler._run(*step)
+        if step:
+            scheduler._run(step)
         del scheduler  # not held while idle, so it can be freed
 
 
-def _give_up(prompt: _Request) -> None:
-    """Answer a stopped prompt with what it has fed so far (no logits)."""
-    try:
-        if prompt.fed:  # pieces went in with eviction held: bring the cache to its budget
-            prompt.cache.hold_eviction(False)
-    except BaseException as err:
-        prompt.error = err
-    prompt.done.set()
-
-
-def _settle(requests: list[_Request], run) -> None:
-    """Run, then hand each request its logits, or the error to every one of them: a
-    failed pass leaves each cache for its caller to put back in step."""
-    try:
-        for request, logits in zip(requests, run(), strict=True):
-            request.logits = logits
-    except BaseException as err:  # reported to the callers; the worker carries on
-        for request in requests:
-            request.error = err
-    for request in requests:
-        request.done.set()
+def _give_up(generation: Generation) -> None:
+    """End a stopped generation with what it has fed so far."""
+    with generation.lock:
+        try:
+            if generation.fed > generation.chunk_start:
+                # Pieces went in with eviction held: bring the cache to its budget.
+                generation.cache.hold_eviction(False)
+        except BaseException as err:
+            generation.end("failed", err)
+            return
+        generation.end("stopped")
 
 
 def forward_one(model, cache: Cache, ids: torch.Tensor) -> torch.Tensor:

@@ -12,66 +12,25 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from .engine.build import cache_from_config
 from .engine.cache import CacheStats, H2OCache
 from .loading import eos_token_ids
-from .config import CacheConfig, ConfigError, GenerationConfig, check_field
+from .config import CacheConfig, GenerationConfig
 from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
                      check_system_prompt)
+from .generation import FinishReason, Generation, PassObserver, Sampling
 from .pin_text import decode, find_span, shorten
 from .scheduler import BatchScheduler, TakeTurns, scheduler_for
 
 _ENCODING = threading.Lock()  # see Session._encode; encoding is short, one lock is enough
 
-
-@dataclass
-class Sampling:
-    max_new_tokens: int = GenerationConfig.max_new_tokens
-    temperature: float = GenerationConfig.temperature  # 0 = greedy
-    top_p: float = GenerationConfig.top_p
-    seed: int | None = None
-    # The end-of-turn token is not sampled before this many tokens (benchmarks ask for
-    # replies of an exact length; max_new_tokens makes the end never come).
-    min_new_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        # The same rules as the config file's generation section, so messages match; a
-        # caller's values are input from outside, refused as such.
-        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
-            try:
-                setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
-            except ConfigError as err:
-                raise InputError(str(err), name) from None
-        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise InputError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
-                             f"to max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
-
-
-def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Next token from the last position's logits ``(vocab,)``: greedy or nucleus sampling."""
-    if sampling.temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-# Why the last reply ended: "end" (the model ended its turn), "length" (it reached
-# max_new_tokens), "stopped" (``stop()``, or its stream was closed before the end) or
-# "failed" (a forward pass raised).
-FinishReason = Literal["end", "length", "stopped", "failed"]
+# The reasons (``generation.FinishReason``) after which a reply can go on.
 CONTINUABLE: tuple[FinishReason, ...] = ("length", "stopped")
 
 
@@ -122,6 +81,9 @@ class Session:
         self.fed = 0
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()
+        # Held by the runner while a pass changes the cache or a token is appended: the
+        # runner goes on while the turn's reader streams text, so reads take it too.
+        self._cache_lock = threading.RLock()
         # Every forward pass goes through the model's one scheduler, which batches the
         # decode steps of all sessions on the model (TakeTurns: one pass at a time).
         self.runner = runner or scheduler_for(model)
@@ -134,13 +96,12 @@ class Session:
         self._prefill_seconds = 0.0
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._never_sampled: torch.Tensor | None = None  # token ids sampling must skip
-        self._eos_tensor = torch.tensor(sorted(self.eos_ids), device=model.device)
         self._fixed_pins: dict[tuple[int, int], str] = {}  # spans pin() users cannot unpin
         self._pin_ids: dict[tuple[int, int], int] = {}  # stable ids of the cache's spans
-        # Called after every forward pass, before the next, with the token list, the
-        # span [start, end) of it just fed and the logits of its last token; e.g. a
-        # fidelity probe feeding the same tokens to a second cache.
-        self.observer: Callable[[list[int], int, int, torch.Tensor], None] | None = None
+        # Called after every forward pass, before the next, in the runner's thread, with
+        # the token list, the span [start, end) of it just fed and the logits of its last
+        # token; e.g. a fidelity probe feeding the same tokens to a second cache.
+        self.observer: PassObserver | None = None
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -160,6 +121,11 @@ class Session:
                 self._feed_unfed()
 
     def stats(self) -> SessionStats:
+        """The numbers now; safe from any thread, also while a turn runs."""
+        with self._cache_lock:
+            return self._stats()
+
+    def _stats(self) -> SessionStats:
         return SessionStats(
             cache=self.cache.stats(),
             tokens=len(self.tokens),
@@ -257,26 +223,33 @@ class Session:
         """The exact text of token ids of this conversation (special tokens included)."""
         return decode(self.tokenizer, ids)
 
-    def _feed_unfed(self) -> torch.Tensor | None:
-        """Feed every token the cache has not seen, in chunks; logits of the last one, or
-        None when ``stop()`` ended the prefill between two chunks."""
-        pending = torch.tensor([self.tokens[self.fed :]], device=self.model.device)
-        logits = None
-        for chunk in pending.split(self.prefill_chunk_size, dim=1):
-            if self._stop.is_set():
-                return None  # consistent as it stands: the cache saw tokens[:fed]
-            try:
-                logits = self.runner.forward(self.cache, chunk, self._stop)
-                if logits is None:  # stopped between two pieces of the chunk
-                    self.fed = self.cache.get_seq_length()
-                    return None
-                if self.observer is not None:
-                    self.observer(self.tokens, self.fed, self.fed + chunk.shape[1], logits)
-            except BaseException:
+    def _generation(self, sampling: Sampling | None) -> Generation:
+        """A runner's work on this conversation from where its cache stands."""
+        return Generation(self.cache, self.tokens, self.fed, sampling, chunk=self.prefill_chunk_size,
+                          reply=self.reply, end_ids=frozenset(self.eos_ids), never=self._never_sampled,
+                          stop=self._stop, lock=self._cache_lock, observer=self._observe)
+
+    def _observe(self, tokens: list[int], start: int, end: int, logits: torch.Tensor) -> None:
+        if self.observer is not None:  # looked up at each pass: attached and detached any time
+            self.observer(tokens, start, end, logits)
+
+    def _run(self, generation: Generation) -> Iterator[int]:
+        """Run ``generation`` on the runner: what ``Generation.stream`` gives. Whatever
+        ends it, ``fed`` then says what the cache has seen; after a failed pass (some
+        layers took it, some did not) the cache is refilled up to there."""
+        try:
+            yield from self.runner.generate(generation)
+        finally:
+            self.fed = generation.fed
+            if generation.finish == "failed":
                 self._rebuild_cache(self.fed)
-                raise
-            self.fed += chunk.shape[1]
-        return logits
+
+    def _feed_unfed(self) -> None:
+        """Feed every token the cache has not seen, in chunks; ``stop()`` ends it between
+        two pieces (the cache is consistent as it stands: it saw ``tokens[:fed]``)."""
+        if self.fed < len(self.tokens):
+            for _ in self._run(self._generation(None)):
+                pass
 
     def _rebuild_cache(self, upto: int) -> None:
         """Refill the cache from scratch with ``tokens[:upto]``; later tokens stay unfed.
@@ -323,8 +296,7 @@ class Session:
             if pin is not None:
                 # Not fed yet, so nothing of it can have been evicted: this always works.
                 self.cache.protect(length + pin[0], length + pin[1])
-            with self.runner.turn():
-                yield from self._decode_loop(sampling)
+            yield from self._decode_loop(sampling)
         except BaseException as err:
             if len(self.reply) == self._reply_kept:
                 # Nothing came of the new tokens: forget them, as if the call never was.
@@ -336,41 +308,29 @@ class Session:
 
     def _decode_loop(self, sampling: Sampling) -> Iterator[str]:
         generated = self.reply
+        kept = len(generated)  # a continued reply's tokens so far
         self._decode_tokens_per_s = 0.0
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
         started = time.perf_counter()
-        logits = self._feed_unfed()
-        self._prefill_seconds = time.perf_counter() - started
+        decode_started = None
         # A continued reply's text so far went out before (up to a character that its
         # last token may have left incomplete).
-        decode_started, emitted = time.perf_counter(), self.decode(generated).rstrip("\ufffd")
-        for step in range(sampling.max_new_tokens):
-            if step:
-                if self._stop.is_set():
-                    return
-                logits = self._feed_unfed()
-            # A forward pass that ran is sampled from even when stop() came meanwhile, so
-            # the last sampled token is always what waits unfed: a continue feeds it.
-            if logits is None:
-                return  # stopped between two chunks of the prefill: the rest waits unfed
-            never = self._eos_tensor if step < sampling.min_new_tokens else self._never_sampled
-            if never is not None:
-                logits = logits.index_fill(0, never, float("-inf"))
-            token = sample_token(logits.cpu(), sampling, generator)
-            self.tokens.append(token)
-            generated.append(token)
-            self._decode_tokens_per_s = step / max(time.perf_counter() - decode_started, 1e-9)
-            if token in self.eos_ids:
-                self.finish_reason = "end"
-                return
-            text = self.decode(generated)
+        emitted = self.decode(generated).rstrip("\ufffd")
+        generation = self._generation(sampling)
+        for count in self._run(generation):
+            now = time.perf_counter()
+            if decode_started is None:
+                self._prefill_seconds, decode_started = now - started, now
+            self._decode_tokens_per_s = (count - kept - 1) / max(now - decode_started, 1e-9)
+            if generated[count - 1] in self.eos_ids:
+                continue  # the end of the turn: kept in the reply, not in its text
+            text = self.decode(generated[:count])
             # A multi-byte character may span tokens: wait until it is complete.
             if not text.endswith("\ufffd") and len(text) > len(emitted):
                 yield text[len(emitted) :]
                 emitted = text
-        self.finish_reason = "length"
+        if decode_started is None:
+            self._prefill_seconds = time.perf_counter() - started
+        self.finish_reason = generation.finish
 
 
 class ChatSession(Session):
@@ -548,7 +508,7 @@ class StorySession(Session):
         check_system_prompt(bible, self.limits, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
-        self._never_sampled = self._eos_tensor
+        self._never_sampled = torch.tensor(sorted(self.eos_ids))
         self.tokens = self._encode(bible) if bible else []
         self.bible_tokens = len(self.tokens)
         if self.tokens:

@@ -50,14 +50,13 @@ class _SchedulerCollector(Collector):
         scheduler = self._scheduler()
         if scheduler is None:  # the model is still loading
             return
-        turns, pending = scheduler.load()
         yield CounterMetricFamily("h2o_chat_forward_steps", "Forward passes the model's scheduler ran",
                                   value=scheduler.steps)
         yield CounterMetricFamily("h2o_chat_batched_decode_rows",
                                   "Decode rows run in batches of two or more conversations",
                                   value=scheduler.batched_rows)
         yield GaugeMetricFamily("h2o_chat_scheduler_turns", "Replies (page and API) generating now",
-                                value=turns)
+                                value=scheduler.load())
 
 
 class _AdmissionCollector(Collector):

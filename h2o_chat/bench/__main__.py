@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-tokens", type=int, default=64, help="serve: reply length cap (default 64)")
     p.add_argument("--paste-tokens", type=int, default=20000,
                    help="serve: tokens of the long paste in the latency test (0: no latency test)")
+    p.add_argument("--chat-turns", type=int, default=4,
+                   help="serve: fresh chats whose turns run concurrently and one after another (0: none)")
     p.add_argument("--samples", type=int, default=8, help="serve: short messages timed each way")
     p.add_argument("--attention-rows", default="8,32",
                    help="serve: comma list of row counts whose decode step is timed with attention batched "
@@ -245,9 +247,9 @@ TABLE: dict[str, Comparison] = {
     "serve": _one_page(
         "serve", "7. Serving: many conversations at once",
         lambda b: serve.run(b.model, b.tokenizer,
-                            [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",")],
+                            [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",") if c],
                             b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
-                            [int(n) for n in b.args.attention_rows.split(",") if n], log=log),
+                            [int(n) for n in b.args.attention_rows.split(",") if n], b.args.chat_turns, log=log),
         serve.plot, serve.markdown),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",

@@ -138,6 +138,45 @@ def attention_step_costs(model, tokenizer, counts: list[int], history: int = 320
     return results
 
 
+def chat_turns(model, tokenizer, conversations: int, tokens: int, rounds: int = 3) -> dict:
+    """Short chat turns, the way a chat client sends them: ``conversations`` fresh chats
+    (system prompt included, each its own MT-Bench question) each get a greedy reply of
+    exactly ``tokens`` tokens, prefill included in the time. Concurrently (one thread
+    each, batched by the scheduler) against one after another on the same scheduler,
+    alternating ``rounds`` times in this process: wall seconds and time to first token."""
+    scheduler = BatchScheduler(model)
+    questions = [q["turns"][0] for q in data.mt_bench_questions(conversations)]
+    reply = dict(temperature=0, max_new_tokens=tokens, min_new_tokens=tokens)
+
+    def turn(question: str, ttft: list[float]) -> int:
+        session = ChatSession(model, tokenizer, cache=cache_from_config(model, CacheConfig()), runner=scheduler)
+        started, first = time.perf_counter(), None
+        for _ in session.send(question, **reply):
+            first = first or time.perf_counter()
+        ttft.append(first - started)
+        return len(session.reply)
+
+    seconds: dict[str, list[float]] = {"concurrent": [], "one after another": []}
+    ttfts: dict[str, list[float]] = {key: [] for key in seconds}
+    generated = 0
+    for _ in range(rounds):
+        for mode in seconds:
+            counts: list[int] = []
+            started = time.perf_counter()
+            if mode == "concurrent":
+                threads = [threading.Thread(target=lambda q=q: counts.append(turn(q, ttfts[mode])))
+                           for q in questions]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            else:
+                counts = [turn(q, ttfts[mode]) for q in questions]
+            seconds[mode].append(time.perf_counter() - started)
+            generated = sum(counts)
+    return {"conversations": conversations, "tokens": generated, "seconds": seconds, "ttft": ttfts}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -179,7 +218,8 @@ def latency_under_paste(model, tokenizer, paste_tokens: int, samples: int) -> di
 
 
 def run(model, tokenizer, configs: list[tuple[int, int]], max_new_tokens: int, turns: int,
-        paste_tokens: int, samples: int, attention_rows: list[int] = (), log=print) -> dict:
+        paste_tokens: int, samples: int, attention_rows: list[int] = (), chat_turn_conversations: int = 0,
+        log=print) -> dict:
     """Every configuration ``(conversations, history)`` in every mode, then the latency
     test; a JSON-able result for ``markdown``/``plot``."""
     questions = data.mt_bench_questions()
@@ -196,6 +236,9 @@ def run(model, tokenizer, configs: list[tuple[int, int]], max_new_tokens: int, t
               "config": {"max_new_tokens": max_new_tokens, "turns": turns, "policy": asdict(CacheConfig())}}
     if paste_tokens:
         result["latency"] = latency_under_paste(model, tokenizer, paste_tokens, samples)
+    if chat_turn_conversations:
+        result["chat_turns"] = chat_turns(model, tokenizer, chat_turn_conversations, max_new_tokens)
+        log(f"serve: chat turns: {result['chat_turns']['seconds']}")
     if attention_rows:
         result["attention"] = attention_step_costs(model, tokenizer, attention_rows)
         log(f"serve: attention over rows: {result['attention']}")
@@ -218,6 +261,17 @@ def markdown(result: dict) -> str:
                      f"{latency['paste_tokens']}-token paste is read ({latency['piece']}-token pieces) "
                      f"p95 {busy95:.2f} s = {busy95 / idle95:.2f}x (target <= 3x; every message "
                      f"during the paste: {latency['all_during_paste']})")
+    if turns := result.get("chat_turns"):
+        together, alone = (statistics.median(turns["seconds"][k]) for k in ("concurrent", "one after another"))
+        lines.append(f"- {turns['conversations']} chat turns of {turns['tokens'] // turns['conversations']} "
+                     f"tokens each (fresh chats, system prompt, prefill included): concurrent "
+                     f"{turns['tokens'] / together:.2f} tok/s, one after another {turns['tokens'] / alone:.2f} "
+                     f"tok/s = {alone / together:.2f}x (target >= 1.8x; median of "
+                     f"{len(turns['seconds']['concurrent'])} alternating rounds); time to first token "
+                     f"p50/p95 concurrent {percentile(turns['ttft']['concurrent'], 0.5):.2f}/"
+                     f"{percentile(turns['ttft']['concurrent'], 0.95):.2f} s, alone "
+                     f"{percentile(turns['ttft']['one after another'], 0.5):.2f}/"
+                     f"{percentile(turns['ttft']['one after another'], 0.95):.2f} s")
     for cost in result.get("attention", []):
         lines.append(f"- one decode step at {cost['rows']} rows ({cost['held']} slots held each): "
                      f"{cost['batched_ms']:.2f} ms a row with attention batched over the rows, "

@@ -1,0 +1,186 @@
+"""One turn's work for the model's runner, as plain data in and token ids out.
+
+A ``Generation`` names a cache, the conversation's tokens (of which the cache has seen
+``tokens[:fed]``) and how to sample. The runner feeds the unseen tokens in chunks, samples
+each next token from the logits of the pass that predicts it, appends it to ``tokens``
+and feeds it back in its next step, until the reply ends: the caller never stands
+between two forward passes. The caller reads what was sampled from ``stream()``.
+
+The last sampled token always stays unfed, so when a generation ends the cache has seen
+exactly ``tokens[:fed]``, whatever ended it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers.cache_utils import Cache
+
+from .config import ConfigError, GenerationConfig, check_field
+from .inputs import InputError
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    temperature: float = GenerationConfig.temperature  # 0 = greedy
+    top_p: float = GenerationConfig.top_p
+    seed: int | None = None
+    # The end-of-turn token is not sampled before this many tokens (benchmarks ask for
+    # replies of an exact length; max_new_tokens makes the end never come).
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # The same rules as the config file's generation section, so messages match; a
+        # caller's values are input from outside, refused as such.
+        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+            try:
+                setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
+            except ConfigError as err:
+                raise InputError(str(err), name) from None
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise InputError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
+                             f"to max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
+
+
+def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Next token from the last position's logits ``(vocab,)``: greedy or nucleus sampling."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# Why a generation ended: "end" (the model ended its turn), "length" (it reached
+# max_new_tokens; a generation that only feeds ends so too), "stopped" (its stop event,
+# or its stream closed before the end) or "failed" (a forward pass raised).
+FinishReason = Literal["end", "length", "stopped", "failed"]
+
+# Called in the runner's thread after each pass that ends a chunk, before the next pass:
+# the conversation's tokens, the span [start, end) of it just fed, the logits of its last.
+PassObserver = Callable[[list[int], int, int, torch.Tensor], None]
+
+
+class Generation:
+    """A turn's request to the runner and its progress (see the module docstring).
+
+    ``sampling`` None only feeds: it ends once every token is fed. ``end_ids`` end the
+    reply (never sampled before ``sampling.min_new_tokens``); ``never`` are token ids never
+    sampled. ``lock`` is held by the runner while it changes the cache or ``tokens``:
+    whoever reads them during the turn takes it too. ``reply`` receives each sampled
+    token as ``tokens`` does."""
+
+    def __init__(self, cache: Cache, tokens: list[int], fed: int, sampling: Sampling | None, *,
+                 chunk: int, reply: list[int], end_ids: frozenset[int] = frozenset(),
+                 never: torch.Tensor | None = None, stop: threading.Event | None = None,
+                 lock: threading.RLock | None = None, observer: PassObserver | None = None) -> None:
+        if fed >= len(tokens):  # a runner would never end it, and the caller wait for ever
+            raise ValueError("a generation needs at least one token to feed")
+        if chunk < 1:
+            raise ValueError(f"chunk = {chunk}: must be >= 1")
+        self.cache, self.tokens, self.fed, self.sampling = cache, tokens, fed, sampling
+        self.chunk, self.reply, self.end_ids, self.never = chunk, reply, end_ids, never
+        self.stop = stop if stop is not None else threading.Event()
+        self.lock = lock if lock is not None else threading.RLock()
+        self.observer = observer
+        self.chunk_start = fed  # where the chunk being fed began
+        self.generated = 0
+        self.finish: FinishReason | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._cancelled = False  # its stream was closed: end, without touching ``stop``
+        self._out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._generator = None
+        if sampling is not None and sampling.seed is not None:
+            self._generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        self._end_tensor = torch.tensor(sorted(end_ids), dtype=torch.long)
+
+    # ---- for the runner ---------------------------------------------------------------------
+
+    @property
+    def chunk_end(self) -> int:
+        """Where the chunk being fed ends: the cache evicts only there."""
+        return min(self.chunk_start + self.chunk, len(self.tokens))
+
+    @property
+    def is_decode(self) -> bool:
+        """Its next pass feeds one token and ends a chunk: a row of a batched step."""
+        return self.chunk_end - self.chunk_start == 1
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.is_set() or self._cancelled
+
+    def fed_to(self, end: int, logits: torch.Tensor) -> None:
+        """The runner fed ``tokens[fed:end]``; ``logits`` ``(vocab,)`` are its last's. At a
+        chunk's end the observer sees it; after the last unfed token, the next is sampled."""
+        self.fed = end
+        if end < self.chunk_end:
+            return
+        if self.observer is not None:
+            self.observer(self.tokens, self.chunk_start, end, logits)
+        self.chunk_start = end
+        if end < len(self.tokens):
+            return
+        if self.sampling is None or self.generated == self.sampling.max_new_tokens:
+            self.end("length")
+            return
+        never = self._end_tensor if self.generated < self.sampling.min_new_tokens else self.never
+        if never is not None and never.numel():
+            logits = logits.index_fill(0, never.to(logits.device), float("-inf"))
+        token = sample_token(logits.cpu(), self.sampling, self._generator)
+        self.tokens.append(token)
+        self.reply.append(token)
+        self.generated += 1
+        self._out.put(len(self.reply))
+        if token in self.end_ids:
+            self.end("end")
+        elif self.generated == self.sampling.max_new_tokens:
+            self.end("length")
+
+    def end(self, reason: FinishReason, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finish = reason
+        self._out.put(None)
+        self.done.set()
+
+    # ---- for the caller ---------------------------------------------------------------------
+
+    def stream(self) -> Iterator[int]:
+        """The length of ``reply`` after each token sampled, as the runner samples them;
+        raises what failed a pass. Closed early, the generation ends after the runner's
+        step under way."""
+        try:
+            while (count := self._out.get()) is not None:
+                yield count
+            if self.error is not None:
+                raise self.error
+        finally:
+            if not self.done.is_set():
+                self._cancelled = True
+                self.done.wait()
+
+    def ready(self) -> Iterator[int]:
+        """What ``stream`` would give now without waiting (for a runner in the caller's
+        own thread)."""
+        while True:
+            try:
+                count = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if count is None:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield count
