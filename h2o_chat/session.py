@@ -125,6 +125,12 @@ class Session:
         with self._cache_lock:
             return self._stats()
 
+    def tokens_and_stats(self) -> tuple[list[int], SessionStats]:
+        """A copy of the conversation's tokens and the numbers, of one moment (the cache
+        has seen at most those tokens); safe from any thread, also while a turn runs."""
+        with self._cache_lock:
+            return list(self.tokens), self._stats()
+
     def _stats(self) -> SessionStats:
         return SessionStats(
             cache=self.cache.stats(),

@@ -66,10 +66,10 @@ class Throttle:
 
 class Interleaved:
     """Several text streams advanced one chunk each per round, each in a thread of its
-    own, so their forward passes meet in the model's scheduler and run as one batch.
-    Chunks come out once the whole round is done: between rounds every stream waits
-    between two tokens, so its session can be read safely. ``busy[key]`` is the time
-    spent inside that stream's own steps, which gives each side its speed."""
+    own (their generations run batched in the model's scheduler either way). Chunks come
+    out once the whole round is done, so the sides show their text in step.
+    ``busy[key]`` is the time spent waiting for that stream's chunks, which gives each
+    side its speed."""
 
     def __init__(self, streams: Mapping[str, Generator[str, None, None]],
                  clock: Callable[[], float] = time.perf_counter) -> None:

@@ -48,14 +48,15 @@ def wait_for_model(provider: ModelProvider) -> LoadedModel:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A session's tokens and stats at one moment, taken between two tokens."""
+    """A session's tokens and stats at one moment (read under the session's lock, between
+    two of the worker's steps)."""
 
     tokens: list[int]
     stats: SessionStats
 
     @classmethod
     def of(cls, session: Session) -> Snapshot:
-        return cls(list(session.tokens), session.stats())
+        return cls(*session.tokens_and_stats())
 
 
 class ViewState:
@@ -90,8 +91,7 @@ class ViewState:
             self._turn.release()
 
     def take(self) -> Snapshot:
-        """A fresh snapshot of the map's session; call it only from the thread running
-        the turn (between tokens), or when no turn runs."""
+        """A fresh snapshot of the map's session (from any thread)."""
         self._last = Snapshot.of(self.map_session())
         return self._last
 
