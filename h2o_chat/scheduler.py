@@ -126,18 +126,23 @@ class BatchScheduler:
 
     def _run(self, generations: list[Generation]) -> None:
         model = self._model()  # alive: every caller holds it
-        with torch.inference_mode():
+        try:
+            with torch.inference_mode():
+                for generation in generations:
+                    if generation.stopping:
+                        _give_up(generation)
+                # Chosen before any runs: a generation that ends in this step lets go of
+                # its token list, which its caller may then change.
+                going = [g for g in generations if not g.done.is_set()]
+                decode = [g for g in going if g.is_decode][: self.max_batch]
+                for prompt in (g for g in going if not g.is_decode):
+                    self._feed_piece(model, prompt)
+                if decode:
+                    self._decode(model, decode)
+        except BaseException as err:  # a bug here must not leave its callers waiting for ever
             for generation in generations:
-                if generation.stopping:
-                    _give_up(generation)
-            # Chosen before any runs: a generation that ends in this step lets go of its
-            # token list, which its caller may then change.
-            going = [g for g in generations if not g.done.is_set()]
-            decode = [g for g in going if g.is_decode][: self.max_batch]
-            for prompt in (g for g in going if not g.is_decode):
-                self._feed_piece(model, prompt)
-            if decode:
-                self._decode(model, decode)
+                if not generation.done.is_set():
+                    generation.end("failed", err)
         self.steps += 1
         with self._changed:
             self._running = [g for g in self._running if not g.done.is_set()]

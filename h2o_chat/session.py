@@ -488,6 +488,17 @@ class ChatSession(Session):
         return rendered, tokens, spans
 
 
+def chat_session(model, tokenizer, settings: CacheConfig, *, system_prompt: str | None,
+                 history: Sequence[Mapping[str, str]] = (), limits: InputLimits | None = None,
+                 cache: H2OCache | None = None) -> ChatSession:
+    """A chat as every door starts one: on a cache of ``settings`` (or on ``cache``, e.g.
+    the compare view's full one), read in ``settings``' prefill chunks; an empty system
+    prompt means none."""
+    return ChatSession(model, tokenizer, cache=cache or cache_from_config(model, settings),
+                       system_prompt=system_prompt or None, prefill_chunk_size=settings.prefill_chunk_size,
+                       history=history, limits=limits)
+
+
 # Private-use characters around an index: markers no real message is expected to contain.
 _MARKER = re.compile(r"(\ue000\d+\ue001)")
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API, served beside the web UI on one port.
 
 ``server.create_app`` builds the one FastAPI app (API routes, the UI mounted at ``/``)
-and ``server.serve`` runs it. Inside: ``schema`` checks a request body, ``engine`` runs
+and ``server.serve`` runs it. Inside: ``schema`` checks a request body, ``turns`` runs
 turns (admission, a worker thread per turn on a ``ChatSession``), ``conversations`` keeps
 sessions between stateless requests for cache reuse, ``stops`` applies stop strings,
 ``responses`` shapes OpenAI's objects and server-sent events, ``metrics`` exports

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import Finished, Usage
+from .turns import Finished, Usage
 
 DONE = b"data: [DONE]\n\n"
 

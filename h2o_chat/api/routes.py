@@ -22,7 +22,7 @@ from h2o_chat.inputs import InputError, InputLimits, read_json
 from h2o_chat.scheduler import scheduler_for
 
 from .conversations import ConversationStore, check_session_id
-from .engine import Delta, Engine, Finished, Turn
+from .turns import Delta, Finished, Turn, TurnRunner
 from .errors import APIError
 from .origins import OriginGuard
 from .metrics import CONTENT_TYPE, Metrics
@@ -42,7 +42,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     metrics = Metrics(store.conversations,
                       lambda: scheduler_for(provider.get().model) if provider.ready else None,
                       provider.admission)
-    engine = Engine(provider, config, metrics, store)
+    turns = TurnRunner(provider, config, metrics, store)
     authorize = _authorizer(server.api_key, login=server.username is not None)
     max_body = server.api_max_request_mb * 2**20
     limits = InputLimits.of(server)
@@ -102,7 +102,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         chat = parse_chat_request(await _read_json(request, max_body, limits), config.generation, limits)
         session_id = request.headers.get("x-session-id")
         started = asyncio.ensure_future(
-            engine.start(chat, None if session_id is None else check_session_id(session_id)))
+            turns.start(chat, None if session_id is None else check_session_id(session_id)))
         if not await _while_connected(request, started):
             metrics.cancelled.labels("queued").inc()
             return answered(request, Response(status_code=499))

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -188,15 +189,16 @@ def _attend_rows(rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]],
     dozen small operations per row and layer, which dominates at many rows or on a GPU."""
     prepared = [client.prepare(query[r : r + 1], None) for r, (client, _, _) in enumerate(rows)]
     held = [keys.shape[2] for _, keys, _ in rows]
-    first_keys, first_values = rows[0][1], rows[0][2]
-    shape = (len(rows), first_keys.shape[1], max(held))
-    keys = first_keys.new_zeros((*shape, first_keys.shape[-1]))
-    values = first_values.new_zeros((*shape, first_values.shape[-1]))
-    visible = torch.zeros(shape, dtype=torch.bool, device=keys.device)
-    for r, ((_, row_keys, row_values), (_, valid)) in enumerate(zip(rows, prepared)):
-        keys[r, :, : held[r]] = row_keys[0]
-        values[r, :, : held[r]] = row_values[0]
-        visible[r, :, : held[r]] = True if valid is None else valid[0]
+
+    def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``(1, kv_heads, held_r, ...)`` per row -> ``(rows, kv_heads, max held, ...)``,
+        zeros (False) after each row's own slots, in one call."""
+        return pad_sequence([t[0].transpose(0, 1) for t in tensors], batch_first=True).transpose(1, 2)
+
+    keys = padded([row_keys for _, row_keys, _ in rows])
+    values = padded([row_values for _, _, row_values in rows])
+    visible = padded([torch.ones_like(row_keys[..., 0], dtype=torch.bool) if valid is None else valid
+                      for (_, row_keys, _), (_, valid) in zip(rows, prepared)])
     queries = torch.cat([row_query for row_query, _ in prepared])
     mask = visible[:, :, None, :]  # (rows, kv_heads, query, slots)
     if not any(client.wants_probabilities for client, _, _ in rows):

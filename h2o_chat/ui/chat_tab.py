@@ -9,7 +9,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import ChatSession
+from h2o_chat.session import ChatSession, chat_session
 
 from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
@@ -40,10 +40,8 @@ class ChatState(ViewState):
 
     def _new_session(self, history: list[dict[str, str]]) -> ChatSession:
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        return ChatSession(model, tokenizer, cache=new_cache(model, self.cache),
-                           system_prompt=self.system_prompt or None,
-                           prefill_chunk_size=self.cache.prefill_chunk_size, history=history,
-                           limits=self.limits)
+        return chat_session(model, tokenizer, self.cache, system_prompt=self.system_prompt,
+                            history=history, limits=self.limits, cache=new_cache(model, self.cache))
 
     def sessions(self) -> list[ChatSession]:
         return [self.session]

@@ -13,7 +13,7 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import ChatSession
+from h2o_chat.session import ChatSession, chat_session
 
 from .chat_tab import echo_while_loading, shown_messages
 from .controls import SendStopSwap, stop_button
@@ -65,9 +65,8 @@ class CompareState(ViewState):
         model, tokenizer = loaded.model, loaded.tokenizer
 
         def session(kv_cache) -> ChatSession:
-            return ChatSession(model, tokenizer, cache=kv_cache, system_prompt=system_prompt or None,
-                               prefill_chunk_size=cache.prefill_chunk_size,
-                               limits=limits)
+            return chat_session(model, tokenizer, cache, system_prompt=system_prompt, limits=limits,
+                                cache=kv_cache)
 
         self.sides = {BOUNDED: session(new_cache(model, cache)),
                       FULL: session(make_cache(model, "full"))}

@@ -66,7 +66,7 @@ class ViewState:
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
-        self._turn = threading.Lock()
+        self._turn_lock = threading.Lock()
         self._last: Snapshot | None = None
         self.closed = False
         self.map_pace = Throttle(MAP_INTERVAL_S)  # when the live map may go out again
@@ -83,12 +83,12 @@ class ViewState:
     def running(self) -> Iterator[None]:
         """Hold the view's turn: two turns (or a turn and an edit) never overlap."""
         # A plain Lock, not an RLock: Gradio may resume a generator in another thread.
-        if not self._turn.acquire(blocking=False):
+        if not self._turn_lock.acquire(blocking=False):
             raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
         try:
             yield
         finally:
-            self._turn.release()
+            self._turn_lock.release()
 
     def take(self) -> Snapshot:
         """A fresh snapshot of the map's session (from any thread)."""
@@ -98,11 +98,11 @@ class ViewState:
     def snapshot(self) -> Snapshot | None:
         """What the map can show now without touching a cache mid-forward: fresh when no
         turn runs, else the last snapshot the turn took (None before its first)."""
-        if self._turn.acquire(blocking=False):
+        if self._turn_lock.acquire(blocking=False):
             try:
                 return self.take()
             finally:
-                self._turn.release()
+                self._turn_lock.release()
         return self._last
 
     def forget_snapshot(self) -> None:
@@ -121,7 +121,7 @@ class ViewState:
 
     @property
     def streaming(self) -> bool:
-        return self._turn.locked()
+        return self._turn_lock.locked()
 
 
 # Views not closed yet, for the page's server line. Weak: a state Gradio deleted without

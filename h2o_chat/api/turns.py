@@ -3,8 +3,8 @@ a worker thread per turn, and the turn's events handed to the event loop.
 
 Each admitted turn runs ``ChatSession.send`` on its own thread; the model's scheduler
 batches the decode steps of all turns decoding at once. The routes see only
-``Engine.start`` and the ``Turn`` it returns (an async stream of ``Delta`` and a final
-``Finished``), so another way of running turns can replace this engine without touching
+``TurnRunner.start`` and the ``Turn`` it returns (an async stream of ``Delta`` and a final
+``Finished``), so another way of running turns can replace this one without touching
 them.
 """
 
@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from h2o_chat import ChatSession, cache_from_config
+from h2o_chat import ChatSession
 from h2o_chat.admission import Admission, Ticket
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits
-from h2o_chat.session import SessionStats
+from h2o_chat.session import SessionStats, chat_session
 
 from .conversations import Conversation, ConversationStore
 from .errors import APIError
@@ -118,7 +118,7 @@ class Turn:
         return self.conversation.id
 
     def cancel(self) -> None:
-        self.cancelled.set()  # the session's stop event for this turn (see Engine._generate)
+        self.cancelled.set()  # the session's stop event for this turn (see TurnRunner._generate)
 
     def emit(self, event: Delta | Finished | _Failed) -> None:
         """From the worker thread."""
@@ -146,7 +146,7 @@ class Turn:
                 return
 
 
-class Engine:
+class TurnRunner:
     """``provider.get()`` gives the model (it may still be loading); ``store`` keeps the
     conversations between turns."""
 
@@ -223,11 +223,9 @@ class Engine:
         cache = self.config.cache
         system = history[0].content if history and history[0].role == "system" else None
         turns = history[1:] if system is not None else history
-        session = ChatSession(
-            model, tokenizer, cache=cache_from_config(model, cache), system_prompt=system or None,
-            prefill_chunk_size=cache.prefill_chunk_size,
-            history=[{"role": m.role, "content": m.content} for m in turns],
-            limits=InputLimits.of(self.config.server))
+        session = chat_session(model, tokenizer, cache, system_prompt=system,
+                               history=[{"role": m.role, "content": m.content} for m in turns],
+                               limits=InputLimits.of(self.config.server))
         for message in turns:
             if message.pin:
                 try:
