@@ -134,7 +134,14 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
     page = browser.new_context(viewport={"width": width, "height": height}, **context).new_page()
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
+    page.evaluate("() => { window.openedByTest = true; }")  # gone if the page reloads
     return page
+
+
+def reloaded(page: Page) -> bool:
+    """Whether the page loaded again since ``open_app`` (Gradio reloads a page whose
+    connection it lost, and the page then holds its default settings again)."""
+    return not page.evaluate("() => window.openedByTest === true")
 
 
 def set_number(page: Page, elem_id: str, value: float) -> None:

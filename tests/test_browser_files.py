@@ -9,7 +9,7 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from .browser_support import configure, gauge, messages, open_app, running_app, send, toasts
+from .browser_support import configure, gauge, messages, open_app, reloaded, running_app, send, toasts
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,7 @@ def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(bro
         expect(page.locator("#server-load")).to_contain_text("· 0 generating")
         send(page, "#chat-input", "#chat-send", "And three colours?")
     replies = messages(second, "chatbot", "bot")
+    assert not reloaded(first) and not reloaded(second), "a page reloaded: its settings were lost"
     assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
     first.context.close()
     second.context.close()
