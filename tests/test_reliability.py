@@ -17,7 +17,7 @@ from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import ConfigError, load_config
 from h2o_chat.inputs import InputLimits
 from h2o_chat.ui.app import launch_options, server_line
-from h2o_chat.ui.limits import RequestSizeLimit
+from h2o_chat.api.page_guards import RequestSizeLimit
 from h2o_chat.ui.streaming import stream_turn
 from h2o_chat.ui.view_state import ViewState, server_load
 

@@ -13,9 +13,10 @@ from fastapi import FastAPI
 from gradio.networking import setup_tunnel
 
 from h2o_chat.config import AppConfig, ServerConfig
-from h2o_chat.ui.app import launch_options, return_freed_memory
-from h2o_chat.runtime import ModelProvider
+from h2o_chat.runtime import ModelProvider, return_freed_memory
+from h2o_chat.ui.app import launch_options
 
+from .page_guards import page_middleware
 from .routes import create_api
 
 
@@ -24,6 +25,7 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
     the page's login and request-size limit."""
     api = create_api(provider, name, config, released=return_freed_memory)
     return gr.mount_gradio_app(api, demo.queue(), "/", show_error=True,
+                               app_kwargs={"middleware": page_middleware(config.server)},
                                **launch_options(config.server))
 
 

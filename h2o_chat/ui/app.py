@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 from pathlib import Path
 
 import gradio as gr
-from starlette.middleware import Middleware
 
 from h2o_chat.config import AppConfig, ServerConfig
-from h2o_chat.runtime import ModelProvider
+from h2o_chat.runtime import ModelProvider, return_freed_memory
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap
-from .limits import LoginGate, RequestSizeLimit
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
 from .story_tab import StoryTab
@@ -28,7 +25,6 @@ THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
 # HTML component keeps its own scoped css_template.
 PAGE_CSS = (Path(__file__).parent / "page.css").read_text()
 _STATUS_POLL_S = 1.0
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 _LOAD_POLL_S = 5.0  # every open tab polls; rarely, so many tabs cost the server little
 _BUSY_LOAD_POLL_S = 0.5  # while a view of the tab itself generates
 
@@ -85,14 +81,6 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
     return demo
 
 
-def return_freed_memory() -> None:
-    """Hand freed heap pages back to the system. glibc keeps what freed tensors occupied
-    in its per-thread arenas, so without this the server's memory only grows as tabs
-    come and go (measured: tools/measure_sessions_memory.py)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
 def model_status(provider: ModelProvider) -> str:
     """One line of Markdown for the page: loading, ready or failed."""
     if provider.error is not None:
@@ -139,16 +127,12 @@ def server_line(server: ServerConfig) -> str:
 
 
 def launch_options(server: ServerConfig) -> dict:
-    """``gr.mount_gradio_app`` keyword arguments: the page's look, limits and login."""
+    """``gr.mount_gradio_app`` keyword arguments: the page's look, upload limit and login
+    (the HTTP shell adds the middleware in front of it, ``api.page_guards``)."""
     max_bytes = server.max_request_mb * 2**20
     return dict(
         theme=THEME, css=PAGE_CSS,
         server_name=server.host, server_port=server.port,
         auth=(server.username, server.password) if server.username is not None else None,
         max_file_size=max_bytes,
-        app_kwargs={"middleware": [
-            Middleware(LoginGate),
-            Middleware(RequestSizeLimit, max_upload_bytes=max_bytes,
-                       max_json_bytes=server.api_max_request_mb * 2**20),
-        ]},
     )

@@ -14,6 +14,10 @@ from collections import OrderedDict
 from http.cookies import CookieError, SimpleCookie
 from typing import Any, Callable
 
+from starlette.middleware import Middleware
+
+from h2o_chat.config import ServerConfig
+
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
@@ -160,3 +164,11 @@ def _logged_in(scope: Scope) -> bool:
         if name in cookies and cookies[name].value in tokens:
             return True
     return False
+
+
+def page_middleware(server: ServerConfig) -> list[Middleware]:
+    """What sits in front of the mounted page: the login gate, then the request-size
+    limits of ``server``."""
+    return [Middleware(LoginGate),
+            Middleware(RequestSizeLimit, max_upload_bytes=server.max_request_mb * 2**20,
+                       max_json_bytes=server.api_max_request_mb * 2**20)]
