@@ -37,8 +37,12 @@ MAX_MESSAGE_CHARS = 2000
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     config = tmp_path_factory.mktemp("config") / "load.yaml"
+    # Greedy short replies by default too: a page that loses the settings typed into it
+    # (seen under heavy load, without a reload) still answers what the alone run does, so
+    # a wrong reply can only come from batching.
     config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n"
-                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n")
+                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n"
+                      f"generation:\n  temperature: 0\n  max_new_tokens: {MAX_NEW_TOKENS}\n")
     with running_app("--config", str(config)) as url:
         yield url
 
