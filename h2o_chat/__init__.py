@@ -8,8 +8,8 @@ from .engine.attention import ATTENTION_NAME, register_h2o_attention
 from .engine.build import cache_from_config, make_cache
 from .engine.cache import H2OCache
 from .loading import load_model
-from .session import ChatSession, StorySession
-from .snapshot import load_session, save_session
+from .sessions import ChatSession, StorySession
+from .sessions.files import load_session, save_session
 
 register_h2o_attention()
 

@@ -20,7 +20,7 @@ import torch
 from .engine.build import make_cache
 from .engine.cache import H2OCache
 from .scheduler import forward_one
-from .session import Session
+from .sessions import Session
 
 TOP_FORGOTTEN = 8  # forgotten tokens kept per step, heaviest first
 

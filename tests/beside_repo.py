@@ -94,8 +94,6 @@ class BesideRepository:
 def tool_folders(pytest_temp: Path) -> list[str]:
     """The folders of tools that a test may read whatever they hold: pytest's temp folder
     of this run, the converted-model cache, the Python installation and its import paths."""
-    from h2o_chat.loading import cache_root
-
     return [str(pytest_temp), str(cache_root()), sys.prefix, sys.base_prefix, sys.exec_prefix,
             *(entry for entry in sys.path if entry)]
 

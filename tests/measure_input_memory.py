@@ -15,8 +15,8 @@ from pathlib import Path
 from h2o_chat import make_cache
 from h2o_chat.inputs import InputError
 from h2o_chat.loading import load_model
-from h2o_chat.snapshot import load_session, model_identity
-from h2o_chat.transcript import read_conversation
+from h2o_chat.sessions.files import load_session, model_identity
+from h2o_chat.sessions.transcripts import read_transcript
 
 
 def _status_bytes(key: str) -> int:
@@ -41,7 +41,7 @@ def main(kind: str, paths: list[str]) -> None:
                 cache = make_cache(model, "h2o", heavy=16, recent=16, sink=4)
                 load_session(path, model, tokenizer, cache)
             else:
-                read_conversation(Path(path).read_bytes())
+                read_transcript(Path(path).read_bytes())
         except InputError as err:
             refused = [type(err).__name__, err.field]
         growth = _status_bytes("VmHWM") - before

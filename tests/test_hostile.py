@@ -26,9 +26,9 @@ from safetensors.torch import save as save_tensors
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import ConfigError, load_config
 from h2o_chat.inputs import InputError, InputLimits
-from h2o_chat.snapshot import (CHECKSUM, MANIFEST, TENSORS, SnapshotError, load_session, read_manifest,
+from h2o_chat.sessions.files import (CHECKSUM, MANIFEST, TENSORS, SnapshotError, load_session, read_manifest,
                                save_session, write_session_file)
-from h2o_chat.transcript import FORMAT, TranscriptError, read_conversation
+from h2o_chat.sessions.transcripts import FORMAT, TranscriptError, read_transcript
 
 from .helpers import assert_consistent
 
@@ -335,7 +335,7 @@ IMPORT_CASES = [
 def test_hostile_conversation_import_is_refused(data, field, message, smollm, files, reference):
     session = resumed(smollm, files)
     started = time.perf_counter()
-    assert_refused(TranscriptError, field, message, lambda: read_conversation(data))
+    assert_refused(TranscriptError, field, message, lambda: read_transcript(data))
     assert time.perf_counter() - started < 5  # the 158,869 messages took 27 s
     assert_answers_as_before(session, reference)
 

@@ -12,10 +12,10 @@ from safetensors.torch import save as save_tensors
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.state import SettingDifference, describe_differences, settings_differences
-from h2o_chat.snapshot import (CHECKSUM, MANIFEST, TENSORS, VERSION, SettingsMismatch, SnapshotError,
+from h2o_chat.sessions.files import (CHECKSUM, MANIFEST, TENSORS, VERSION, SettingsMismatch, SnapshotError,
                                load_session, model_identity, read_manifest, save_session,
                                write_session_file)
-from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
+from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_transcript
 
 from .helpers import feed
 
@@ -76,7 +76,7 @@ def chat_file(chat, tmp_path_factory):
 
 def test_conversation_json_roundtrip_becomes_a_session_with_that_history(smollm, chat):
     model, tokenizer = smollm
-    conversation = read_conversation(Conversation.of(chat).to_json())
+    conversation = read_transcript(Transcript.of(chat).to_json())
     assert conversation.system_prompt == "Be brief."
     assert conversation.messages == [m for m in chat.messages if m["role"] != "system"]
     imported = conversation.session(model, tokenizer, cache=small_cache(model))
@@ -86,7 +86,7 @@ def test_conversation_json_roundtrip_becomes_a_session_with_that_history(smollm,
 
 
 def test_conversation_markdown_has_every_message(chat):
-    text = Conversation.of(chat).to_markdown()
+    text = Transcript.of(chat).to_markdown()
     assert text.startswith("# Conversation\n\n**System prompt:** Be brief.\n\n## User\n\nName three fruits.")
     assert text.count("## Assistant") == 2 and chat.messages[-1]["content"] in text
 
@@ -104,7 +104,7 @@ def test_conversation_markdown_has_every_message(chat):
 ])
 def test_malformed_conversation_is_refused(data, message):
     with pytest.raises(TranscriptError, match=message):
-        read_conversation(data)
+        read_transcript(data)
 
 
 # ---- sessions with their cache ---------------------------------------------------------
@@ -345,7 +345,7 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
     settings, chat, _ = views
     files = chat.files
     # Start a chat the way the view does, through the import handler.
-    conversation = Conversation("Be brief.", [{"role": "user", "content": "Hi"},
+    conversation = Transcript("Be brief.", [{"role": "user", "content": "Hi"},
                                               {"role": "assistant", "content": "Hello!"}])
     upload = tmp_path / "conversation.json"
     upload.write_text(conversation.to_json())
@@ -358,7 +358,7 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
 
     values = inputs(settings, chat, state)
     exported = files.on_export_json(values)[files.download]
-    assert read_conversation(open(exported, "rb").read()) == Conversation.of(state.session)
+    assert read_transcript(open(exported, "rb").read()) == Transcript.of(state.session)
     assert open(files.on_export_markdown(values)[files.download]).read().startswith("# Conversation")
 
     saved = files.on_save(values)
@@ -488,7 +488,7 @@ def test_the_pages_refuse_hostile_input_with_the_limit(views, tmp_path):
     with pytest.raises(gr.Error, match=r"the story bible is 25,002 characters long; the limit is 20,000"):
         next(story.on_continue(values))
     upload = tmp_path / "many.json"
-    upload.write_text(Conversation(None, [{"role": "user", "content": "x"}] * 10_001).to_json())
+    upload.write_text(Transcript(None, [{"role": "user", "content": "x"}] * 10_001).to_json())
     with pytest.warns(UserWarning, match="messages holds 10,001 messages; the limit is 10,000"):
         update = chat.files.on_import(inputs(settings, chat, None) | {chat.files.import_json: str(upload)})
     assert chat.state not in update and update[chat.files.status].startswith("**Not loaded:**")

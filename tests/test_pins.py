@@ -8,7 +8,7 @@ import torch
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import load_config
-from h2o_chat.pin_text import decode, find_span, token_pieces
+from h2o_chat.sessions.pins import decode, find_span, token_pieces
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
 from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
 from h2o_chat.runtime import ModelProvider

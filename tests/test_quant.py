@@ -9,7 +9,7 @@ from h2o_chat.engine.budget import token_bytes
 from h2o_chat.engine.quant import KVStorage, make_codec
 from h2o_chat.inputs import InputError
 from h2o_chat.scheduler import forward_one, forward_rows
-from h2o_chat.snapshot import TENSORS, SettingsMismatch, load_session, save_session
+from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
 
 from .helpers import GREEDY, assert_consistent, feed
 from .test_engine import assert_same_positions, run_engine_and_reference

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from h2o_chat.session import ChatSession, SessionStats
+from h2o_chat.sessions import ChatSession, SessionStats
 
 from .errors import APIError
 from .schema import Message

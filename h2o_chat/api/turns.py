@@ -21,7 +21,7 @@ from h2o_chat import ChatSession
 from h2o_chat.admission import Admission, Ticket
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits
-from h2o_chat.session import SessionStats, chat_session
+from h2o_chat.sessions import SessionStats, chat_session
 
 from .conversations import Conversation, ConversationStore
 from .errors import APIError

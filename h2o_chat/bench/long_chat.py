@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from h2o_chat.engine.build import make_cache
-from h2o_chat.session import ChatSession
+from h2o_chat.sessions import ChatSession
 
 from . import data
 from .metrics import token_nll

@@ -28,7 +28,7 @@ import torch
 from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
-from h2o_chat.session import ChatSession
+from h2o_chat.sessions import ChatSession
 
 from . import data
 from .report import pyplot

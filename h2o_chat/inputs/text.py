@@ -5,8 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ..pin_text import shorten
 from .limits import InputError, InputLimits
+
+def shorten(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters for a message."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -9,7 +9,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import ChatSession, chat_session
+from h2o_chat.sessions import ChatSession, chat_session
 
 from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles

@@ -13,7 +13,7 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.fidelity import FidelityProbe, first_divergence
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import ChatSession, chat_session
+from h2o_chat.sessions import ChatSession, chat_session
 
 from .chat_tab import echo_while_loading, shown_messages
 from .controls import SendStopSwap, stop_button

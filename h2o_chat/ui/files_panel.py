@@ -2,8 +2,8 @@
 
 Chat: download the conversation (JSON, Markdown), import a conversation (JSON; a fresh
 cache reads it on the next send), save the session with its cache and resume one. Story:
-save and resume. The files are ``h2o_chat.transcript`` and ``h2o_chat.snapshot``'s; a
-refused file shows a warning and an error line, and the view keeps its session. A session
+save and resume. The formats are ``h2o_chat.sessions.transcripts`` (a conversation's text)
+and ``h2o_chat.sessions.files`` (a session with its cache); a refused file shows a warning and an error line, and the view keeps its session. A session
 file refused for its cache settings alone lists every difference and offers to take the
 file's settings into the page's controls and resume it.
 
@@ -26,8 +26,8 @@ import gradio as gr
 from h2o_chat.inputs import InputLimits
 from h2o_chat.config import CacheConfig
 from h2o_chat.engine.state import describe_differences
-from h2o_chat.snapshot import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
-from h2o_chat.transcript import Conversation, TranscriptError, read_conversation
+from h2o_chat.sessions.files import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
+from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_transcript
 
 from .refusals import Refusal, warn
 from .settings import new_cache
@@ -209,36 +209,36 @@ class ChatFiles(FilesPanel):
                                 self.view_outputs + self._session_outputs())
 
     def on_export_json(self, values: dict) -> dict:
-        return self._export(values, Conversation.to_json, ".json")
+        return self._export(values, Transcript.to_json, ".json")
 
     def on_export_markdown(self, values: dict) -> dict:
-        return self._export(values, Conversation.to_markdown, ".md")
+        return self._export(values, Transcript.to_markdown, ".md")
 
-    def _export(self, values: dict, render: Callable[[Conversation], str], suffix: str) -> dict:
+    def _export(self, values: dict, render: Callable[[Transcript], str], suffix: str) -> dict:
         state = values[self.tab.state]
         if state is None:
             return self._refused("nothing to export yet: start a chat first", "Not exported")
         with state.running():
-            conversation = Conversation.of(state.session)
+            transcript = Transcript.of(state.session)
         path = export_path("chat", suffix)
-        path.write_text(render(conversation), encoding="utf-8")
-        return {self.download: str(path), self.status: f"Exported {len(conversation.messages)} messages."}
+        path.write_text(render(transcript), encoding="utf-8")
+        return {self.download: str(path), self.status: f"Exported {len(transcript.messages)} messages."}
 
     def on_import(self, values: dict) -> dict:
         try:
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
-            conversation = read_conversation(path.read_bytes(), InputLimits.of(self.tab.server))
+            transcript = read_transcript(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)
             state = self.state_type(loaded, self.tab.settings.cache(values),
-                                    conversation.system_prompt or "", InputLimits.of(self.tab.server))
-            state.rebuild(conversation.messages)
+                                    transcript.system_prompt or "", InputLimits.of(self.tab.server))
+            state.rebuild(transcript.messages)
         except (Refusal, TranscriptError) as err:
             return self._refused(str(err))
         except ValueError as err:  # the session refused the history (e.g. a message too long)
             return self._refused(f"conversation file: {err}")
         close_state(values[self.tab.state])
         return ({self.tab.state: state,
-                 self.status: f"Imported {len(conversation.messages)} messages; they are read "
+                 self.status: f"Imported {len(transcript.messages)} messages; they are read "
                               "into a fresh cache on the next send."}
                 | self._shown(state) | self._views(values, state))
 

@@ -14,7 +14,7 @@ import pandas as pd
 
 from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import MEGABYTE
-from h2o_chat.session import SessionStats
+from h2o_chat.sessions import SessionStats
 
 # For each gauge's gr.HTML (css_template, scoped to it). Text, greys and borders are the
 # theme's variables, so the gauge reads in light and dark mode; the state's colour is a

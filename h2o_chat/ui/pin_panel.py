@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import gradio as gr
 
 from h2o_chat.engine.cache import CacheStats
-from h2o_chat.session import Pin, Session
+from h2o_chat.sessions import Pin, Session
 
 from .refusals import Refusal, warn
 from .view_state import ViewState

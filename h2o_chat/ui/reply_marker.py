@@ -8,7 +8,7 @@ never see it). Clicking the chip lets the model go on with the same reply.
 
 from __future__ import annotations
 
-from h2o_chat.session import Session
+from h2o_chat.sessions import Session
 
 
 def marker(session: Session, max_new_tokens: int) -> str | None:

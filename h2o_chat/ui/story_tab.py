@@ -10,7 +10,7 @@ import gradio as gr
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import StorySession
+from h2o_chat.sessions import StorySession
 
 from .controls import SendStopSwap, stop_button
 from .files_panel import StoryFiles

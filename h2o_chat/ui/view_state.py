@@ -12,7 +12,7 @@ import gradio as gr
 
 from h2o_chat.config import ServerConfig
 from h2o_chat.runtime import LoadedModel, ModelProvider
-from h2o_chat.session import Session, SessionStats
+from h2o_chat.sessions import Session, SessionStats
 
 from .refusals import Refusal
 from .streaming import MAP_INTERVAL_S, Throttle

@@ -2,7 +2,7 @@
 
 Only the text travels (system prompt and user/assistant messages), not the cache: an
 imported conversation is a fresh ``ChatSession`` whose history is read again on the next
-send. ``snapshot.py`` saves a session with its cache.
+send. ``files.py`` saves a session with its cache.
 
 JSON layout, version 1::
 
@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .inputs import InputError, InputLimits, check_conversation, read_json, refused_as
-from .session import ChatSession
+from ..inputs import InputError, InputLimits, check_conversation, read_json, refused_as
+from .chat import ChatSession
 
 FORMAT = "h2o-chat/conversation"
 VERSION = 1
@@ -32,12 +32,14 @@ class TranscriptError(InputError):
 
 
 @dataclass(frozen=True)
-class Conversation:
+class Transcript:
+    """What a conversation says, without its cache."""
+
     system_prompt: str | None
     messages: list[dict[str, str]]  # user/assistant only
 
     @classmethod
-    def of(cls, session: ChatSession) -> Conversation:
+    def of(cls, session: ChatSession) -> Transcript:
         system = [m["content"] for m in session.messages if m["role"] == "system"]
         return cls(system[0] if system else None,
                    [dict(m) for m in session.messages if m["role"] != "system"])
@@ -60,7 +62,7 @@ class Conversation:
                            history=self.messages, **kwargs)
 
 
-def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> Conversation:
+def read_transcript(data: str | bytes, limits: InputLimits | None = None) -> Transcript:
     """Parse an exported conversation; TranscriptError if it is not one this app wrote or
     it does not keep within ``limits``."""
     limits = limits or InputLimits()
@@ -75,4 +77,4 @@ def read_conversation(data: str | bytes, limits: InputLimits | None = None) -> C
         system_prompt = document.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null", "system_prompt")
-        return Conversation(*check_conversation(system_prompt, document.get("messages"), limits, "messages"))
+        return Transcript(*check_conversation(system_prompt, document.get("messages"), limits, "messages"))

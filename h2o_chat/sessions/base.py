@@ -1,32 +1,31 @@
-"""Chat and story sessions: one persistent cache per conversation, streamed text out.
+"""What every session is: a conversation's tokens on one persistent cache, streamed text out.
 
 A session owns a token list (the whole conversation) and a cache that has been fed a
 prefix of it; ``fed`` marks where the cache stops. Each turn appends only the new tokens,
 feeds what the cache has not seen yet in chunks, then decodes token by token. The last
 sampled token stays unfed until the next turn, so after any stop the invariant holds:
-``cache.seen == fed`` and ``tokens[:fed]`` is exactly what the cache has seen.
+``cache.seen == fed`` and ``tokens[:fed]`` is exactly what the cache has seen. The kinds of
+session (``chat``, ``story``) say how a turn's text becomes tokens.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from .engine.build import cache_from_config
-from .engine.cache import CacheStats, H2OCache
-from .loading import eos_token_ids
-from .config import CacheConfig, GenerationConfig
-from .inputs import (InputError, InputLimits, check_chat_turn, check_conversation, check_story_turn,
-                     check_system_prompt)
-from .generation import FinishReason, Generation, PassObserver, Sampling
-from .pin_text import decode, find_span, shorten
-from .scheduler import BatchScheduler, TakeTurns, scheduler_for
+from ..config import CacheConfig
+from ..engine.build import cache_from_config
+from ..engine.cache import CacheStats, H2OCache
+from ..generation import FinishReason, Generation, PassObserver, Sampling
+from ..inputs import InputLimits, shorten
+from ..loading import eos_token_ids
+from ..scheduler import BatchScheduler, TakeTurns, scheduler_for
+from .pins import decode, find_span
 
 _ENCODING = threading.Lock()  # see Session._encode; encoding is short, one lock is enough
 
@@ -337,218 +336,3 @@ class Session:
         if decode_started is None:
             self._prefill_seconds = time.perf_counter() - started
         self.finish_reason = generation.finish
-
-
-class ChatSession(Session):
-    """A multi-turn chat on one persistent cache, in the model's chat template.
-
-    Each turn renders the conversation with the template and feeds only the text after
-    what was already fed; the system prompt is protected from eviction by default.
-
-    ``history`` (user/assistant messages, no system) starts the chat mid-conversation:
-    an evicting cache cannot go back in time, so regenerating, undoing or editing a turn
-    means a fresh session on the edited history. Its tokens are fed, in chunks, on the
-    next ``send``.
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        cache: H2OCache | None = None,
-        system_prompt: str | None = GenerationConfig.system_prompt,
-        protect_system_prompt: bool = True,
-        prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        history: Sequence[Mapping[str, str]] = (),
-        limits: InputLimits | None = None,
-        runner: BatchScheduler | TakeTurns | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
-        if tokenizer.chat_template is None:
-            raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
-        system_prompt, history = check_conversation(system_prompt, history, self.limits)
-        self.messages: list[dict[str, str]] = []
-        self._template_text = ""  # the template text of self.tokens
-        self._reply_start = ""  # the template text before the last reply
-        if system_prompt:
-            self.messages.append({"role": "system", "content": system_prompt})
-            self._template_text = tokenizer.apply_chat_template(self.messages, tokenize=False)
-            self.tokens = self._encode(self._template_text)
-            if protect_system_prompt:
-                self.cache.protect(0, len(self.tokens))
-                self._fixed_pins[(0, len(self.tokens))] = "system prompt"
-        if history:
-            # Encoded apart from the system prompt, as turns are, so the protected span
-            # covers exactly the system prompt's tokens.
-            self._template_text, new_tokens, _ = self._render_new(self.messages + history, False)
-            self.tokens += new_tokens
-            self.messages += history
-
-    @property
-    def template_text(self) -> str:
-        """The chat template's rendering of what ``tokens`` hold."""
-        return self._template_text
-
-    def restore(self, tokens: list[int], fed: int, template_text: str) -> None:
-        """``Session.restore`` plus the chat template's text of ``tokens``."""
-        with self.between_turns("restore"):
-            super().restore(tokens, fed)
-            self._template_text = template_text
-
-    def send(self, text: str, pin: bool = False, stop: threading.Event | None = None,
-             **sampling) -> Iterator[str]:
-        """Add a user message and stream the assistant's reply as text chunks; ``pin``
-        pins the message's tokens (its content, not the template around it); ``stop``,
-        once set, ends the turn (set before it begins, nothing is fed)."""
-        if not check_chat_turn(text, self.messages, self.limits).strip():
-            raise InputError("message is empty: type something to send", "the message")
-        return self._turn(text, Sampling(**sampling), pin, stop)
-
-    def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
-        """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:
-        the cache holds it already, so decoding goes on after its last token (nothing is
-        read again) and the chunks extend the same assistant message. Greedy, a reply cut
-        and continued equals one that ran the combined length at once."""
-        if not self.can_continue:
-            raise InputError("nothing to continue: only a reply cut short by its token limit "
-                             "(max new tokens) or by Stop can go on; send a message instead",
-                             "the reply")
-        return self._continue(Sampling(**sampling), stop)
-
-    def _turn(self, text: str, sampling: Sampling, pin: bool = False,
-              stop: threading.Event | None = None) -> Iterator[str]:
-        with self._turn_lock:
-            messages = self.messages + [{"role": "user", "content": text}]
-            rendered, new_tokens, contents = self._render_new(messages, True)
-            before = (self.messages, self._template_text, self._reply_start)
-            start = len(self.tokens)
-            self.messages = messages + [{"role": "assistant", "content": ""}]
-            self._template_text = self._reply_start = rendered
-            try:
-                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop)
-            except BaseException:
-                if len(self.tokens) == start:
-                    # Failed before the first token and _generate took the tokens back:
-                    # the turn never happened.
-                    self.messages, self._template_text, self._reply_start = before
-                    raise
-                self._record_reply()
-                raise
-            self._record_reply()
-
-    def _continue(self, sampling: Sampling, stop: threading.Event | None = None) -> Iterator[str]:
-        with self._turn_lock:
-            try:
-                yield from self._generate([], sampling, extend=True, stop=stop)
-            finally:
-                self._record_reply()
-
-    def _record_reply(self) -> None:
-        """Put the reply, whole or partial (stopped, failed, abandoned), into the history."""
-        reply = self.reply
-        self._template_text = self._reply_start + self.decode(reply)
-        ending = 1 if reply and reply[-1] in self.eos_ids else 0
-        self.messages[-1]["content"] = self.decode(reply[: len(reply) - ending])
-
-    def _render_new(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool) -> tuple[str, list[int], list[tuple[int, int]]]:
-        """Render ``messages`` (the current ones plus new ones) with the chat template and
-        return the text and the tokens of what follows the text already fed, and where
-        each new message's content lies in those tokens.
-
-        The new messages' contents are tokenized as plain text, so a message that
-        contains the template's control tokens as text (say "<|im_end|>") cannot end a
-        turn or fake a role. To tell contents from template text, the new messages are
-        rendered once more with markers in place of their contents.
-        """
-
-        def render(msgs: list[dict[str, str]]) -> str:
-            return self.tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-
-        rendered = render(messages)
-        if not rendered.startswith(self._template_text):
-            raise RuntimeError("the chat template re-rendered earlier turns differently; cannot append")
-        old = len(self.messages)
-        contents = {f"\ue000{i}\ue001": m["content"] for i, m in enumerate(messages[old:])}
-        marked = render(messages[:old] + [dict(m, content=mark) for m, mark in zip(messages[old:], contents)])
-        pieces = _MARKER.split(marked[len(self._template_text) :])
-        if "".join(contents.get(p, p) for p in pieces) != rendered[len(self._template_text) :]:
-            raise RuntimeError("the chat template changes message contents (e.g. trims them); "
-                               "cannot tell contents from control tokens")
-        tokens, spans = [], []
-        for piece in pieces:
-            if piece in contents:
-                content = self._encode(contents[piece], plain=True)
-                spans.append((len(tokens), len(tokens) + len(content)))
-                tokens += content
-            else:
-                tokens += self._encode(piece)
-        return rendered, tokens, spans
-
-
-def chat_session(model, tokenizer, settings: CacheConfig, *, system_prompt: str | None,
-                 history: Sequence[Mapping[str, str]] = (), limits: InputLimits | None = None,
-                 cache: H2OCache | None = None) -> ChatSession:
-    """A chat as every door starts one: on a cache of ``settings`` (or on ``cache``, e.g.
-    the compare view's full one), read in ``settings``' prefill chunks; an empty system
-    prompt means none."""
-    return ChatSession(model, tokenizer, cache=cache or cache_from_config(model, settings),
-                       system_prompt=system_prompt or None, prefill_chunk_size=settings.prefill_chunk_size,
-                       history=history, limits=limits)
-
-
-# Private-use characters around an index: markers no real message is expected to contain.
-_MARKER = re.compile(r"(\ue000\d+\ue001)")
-
-
-class StorySession(Session):
-    """Free-form continuation of a text (no chat template), e.g. a long story.
-
-    ``bible`` (characters, facts) goes before the story and its tokens are never evicted,
-    so the model keeps attending to it however long the story gets. ``text`` is the story
-    after it.
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        cache: H2OCache | None = None,
-        bible: str = "",
-        prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
-        limits: InputLimits | None = None,
-        runner: BatchScheduler | TakeTurns | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
-        check_system_prompt(bible, self.limits, "the story bible")
-        # A story has no end of turn: an end-of-sequence token would stop the continuation
-        # short and land in the text, so each continuation is max_new_tokens of story.
-        self._never_sampled = torch.tensor(sorted(self.eos_ids))
-        self.tokens = self._encode(bible) if bible else []
-        self.bible_tokens = len(self.tokens)
-        if self.tokens:
-            self.cache.protect(0, self.bible_tokens)
-            self._fixed_pins[(0, self.bible_tokens)] = "story bible"
-
-    @property
-    def text(self) -> str:
-        return self.decode(self.tokens[self.bible_tokens :])
-
-    def send(self, text: str = "", pin: bool = False, stop: threading.Event | None = None,
-             **sampling) -> Iterator[str]:
-        """Append ``text`` (may be empty) to the story and stream its continuation;
-        ``pin`` pins ``text``'s tokens; ``stop`` as in ``ChatSession.send``."""
-        check_story_turn(text, len(self.decode(self.tokens)), self.limits)
-        if not self.tokens and not text:
-            raise InputError("the story is empty: write a beginning to continue from", "the new story text")
-        if pin and not text:
-            raise InputError("nothing to pin: no new text to append", "the new story text")
-        return self._turn(text, Sampling(**sampling), pin, stop)
-
-    def _turn(self, text: str, sampling: Sampling, pin: bool = False,
-              stop: threading.Event | None = None) -> Iterator[str]:
-        with self._turn_lock:
-            new_tokens = self._encode(text) if text else []
-            yield from self._generate(new_tokens, sampling, (0, len(new_tokens)) if pin else None, stop=stop)

@@ -35,14 +35,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .engine.cache import H2OCache
-from .engine.state import SettingDifference, describe_differences, settings_differences
-from .config import CacheConfig
-from .inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
-from .inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,
-                                  check_tokens, max_story_tokens)
-from .inputs.text import check_chars
-from .session import ChatSession, Session, StorySession
+from ..config import CacheConfig
+from ..engine.cache import H2OCache
+from ..engine.state import SettingDifference, describe_differences, settings_differences
+from ..inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
+from ..inputs.session_file import (MANIFEST, TENSORS, check_cache_state, check_template_text,
+                                   check_tokens, max_story_tokens)
+from ..inputs.text import check_chars
+from .base import Session
+from .chat import ChatSession
+from .story import StorySession
 
 FORMAT = "h2o-chat/session"
 VERSION = 2  # 1 hashed the tensors only, and kept the tokens in the manifest

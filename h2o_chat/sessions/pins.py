@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..inputs import shorten
+
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """The exact text of ``ids``, special tokens and spacing as they are."""
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def shorten(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def find_span(tokenizer, tokens: Sequence[int], text: str, near: int | None = None) -> tuple[int, int]:
