@@ -302,7 +302,8 @@ def ratios(runs: list[Run]) -> list[str]:
     """The issue's targets, from runs of one process."""
     by = {(r.conversations, r.history, r.mode): r for r in runs}
     lines = []
-    for n, h, a, b, target in ((8, 2048, "batched h2o", "take turns h2o", 2.5),
+    for n, h, a, b, target in ((8, 2048, "batched h2o", "take turns h2o", 3.5),
+                               (32, 2048, "batched h2o", "take turns h2o", 5),
                                (4, 2048, "batched h2o", "take turns h2o", 1.8),
                                (4, 4096, "batched h2o", "batched full", 1.5)):
         if (n, h, a) in by and (n, h, b) in by:
