@@ -3,7 +3,8 @@
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), bytes (8: quality at equal memory,
-storage precision and eviction), or all; and gpu (the GPU check, run only when named:
+storage precision and eviction), or all; peer (llama.cpp on the same GGUF file, one
+conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
 ``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
 ``index.md`` there collects the tables of every comparison in the folder.
@@ -27,7 +28,7 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import data, equal_bytes, gpu, gpu_models, long_chat, report, rolling, serve, speed, streaming, xsum
+from . import data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, streaming, xsum
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
@@ -91,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
     p.add_argument("--byte-contexts", help="bytes: comma list of contexts whose decode speed is timed ('': none)")
+    p.add_argument("--peer-context", type=int, default=512,
+                   help="peer: tokens of context before the timed decode (default 512)")
     p.add_argument("--threads", type=int, help="torch threads (default: the app's, one per physical core)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="gpu: where the check runs (default cuda)")
     p.add_argument("--tiny", action="store_true",
@@ -257,12 +260,18 @@ TABLE: dict[str, Comparison] = {
                                   [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
                                   b.args.repeats, b.args.articles, log=log),
         equal_bytes.plot, equal_bytes.markdown),
+    "peer": _one_page(
+        "peer", "Peer: llama.cpp on the same GGUF file, one conversation",
+        lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,
+                           torch.get_num_threads(), b.args.out, log=log),
+        peer.plot, peer.markdown),
     "gpu": Comparison("gpu", lambda b: ("gpu", _run_gpu(b.args)), lambda b, result: [
         ("gpu", "The GPU check: correctness, decode, serving and prefill on the device", gpu.markdown(result))]),
 }
 COMPARISONS = list(TABLE)
-# Left out of "all": it builds models of its own, sized for a GPU.
-ON_REQUEST = {"gpu"}
+# Left out of "all": gpu builds models of its own, sized for a GPU; peer needs llama.cpp
+# (``llama-cpp-python``), an optional install.
+ON_REQUEST = {"gpu", "peer"}
 
 
 def _run_gpu(args: argparse.Namespace) -> dict:
