@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
-from playwright.sync_api import JSHandle, Page, expect
+from playwright.sync_api import JSHandle, Locator, Page, expect
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -144,14 +144,20 @@ def reloaded(page: Page) -> bool:
     return not page.evaluate("() => window.openedByTest === true")
 
 
-def set_number(page: Page, elem_id: str, value: float) -> None:
+def _number_control(page: Page, elem_id: str) -> tuple[Locator, Locator]:
+    """The box a number is typed into, and what shows the value taken (the slider, where
+    the control has one)."""
     box = page.locator(f"#{elem_id} input[type=number], #{elem_id} textarea")
     # Counted once the control is drawn (a settings panel just opened draws its controls
     # a moment later): counted before, a slider looked like a plain box, and the typed
     # text itself ("1.0" for 1) was then compared with the value.
     expect(box).to_be_visible()
     sliders = page.locator(f"#{elem_id} input[type=range]")
-    slider = sliders if sliders.count() else box  # plain number boxes have no slider
+    return box, sliders if sliders.count() else box  # plain number boxes have no slider
+
+
+def set_number(page: Page, elem_id: str, value: float) -> None:
+    box, slider = _number_control(page, elem_id)
     # The slider does not always take a typed value (seen on a busy machine: a 32-token
     # limit and temperature 0 ignored, so the event sent the defaults): type it again
     # until the slider shows it.
@@ -177,8 +183,21 @@ def configure(page: Page, **numbers: float) -> None:
     """Open the settings and set number boxes by element id (``max_new_tokens`` ->
     ``#max-new-tokens``). Greedy decoding unless ``temperature`` is given."""
     show_settings(page)
-    for name, value in {"temperature": 0, **numbers}.items():
-        set_number(page, name.replace("_", "-"), value)
+    wanted = {name.replace("_", "-"): value for name, value in {"temperature": 0, **numbers}.items()}
+    for elem_id, value in wanted.items():
+        set_number(page, elem_id, value)
+    # A control typed into while the panel is still being drawn can go back to its first
+    # value a moment later, with nothing reloaded (seen on a loaded machine: the panel's
+    # first slider at 0.7 again once the others were set, and the turn sampled at 0.7).
+    # So all are read again once every one was typed, until one pass finds them as typed.
+    for _ in range(5):
+        lost = [elem_id for elem_id, value in wanted.items()
+                if _number_control(page, elem_id)[1].input_value() != f"{value:g}"]
+        if not lost:
+            return
+        for elem_id in lost:
+            set_number(page, elem_id, wanted[elem_id])
+    raise AssertionError(f"the settings {lost} do not keep the values typed into them")
 
 
 # Installed before a click: notes every Gradio status tracker that shows from then on (the
