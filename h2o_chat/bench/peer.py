@@ -17,16 +17,13 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.engine.build import make_cache
+from h2o_chat.config import CacheConfig
+from h2o_chat.engine.build import cache_from_config
 from h2o_chat.loading import embedded_gguf_path
 
 from . import data
 from .report import pyplot
 from .speed import decode, prefill
-
-# The app's default budget (sink 4 + heavy 128 + recent 128), below the context: h2o evicts.
-APP_BUDGET = dict(heavy=128, recent=128, sink=4)
-
 
 def f32_copy(gguf: Path, target: Path) -> Path:
     """``gguf`` with every tensor dequantized to float32 (metadata kept), at ``target``."""
@@ -73,9 +70,11 @@ def llama_cpp_decode(path: Path, prompt: list[int], tokens: int, threads: int) -
 
 
 def h2o_chat_decode(model, prompt: list[int], tokens: int, policy: str) -> float:
-    """The same in h2o-chat's engine: the full cache, or h2o at the app's default budget."""
-    cache = make_cache(model, policy, **(APP_BUDGET if policy == "h2o" else {}))
-    return decode(model, cache, prefill(model, cache, torch.tensor([prompt]), 256), tokens)
+    """The same in h2o-chat's engine, on the app's default cache settings under ``policy``
+    (``full``, or ``h2o`` at the app's budget, below the context: it evicts)."""
+    settings = CacheConfig(policy=policy)
+    cache = cache_from_config(model, settings)
+    return decode(model, cache, prefill(model, cache, torch.tensor([prompt]), settings.prefill_chunk_size), tokens)
 
 
 def run(model, tokenizer, context: int, tokens: int, repeats: int, threads: int, folder: Path, log=print) -> dict:
@@ -87,7 +86,7 @@ def run(model, tokenizer, context: int, tokens: int, repeats: int, threads: int,
     book = tokenizer(data.read_text(data.BOOK)[: 8 * context], add_special_tokens=False).input_ids[:context]
     engines = {
         "h2o-chat full cache (float32)": lambda: h2o_chat_decode(model, book, tokens, "full"),
-        "h2o-chat h2o, 260 slots (float32)": lambda: h2o_chat_decode(model, book, tokens, "h2o"),
+        "h2o-chat h2o, the app's budget (float32)": lambda: h2o_chat_decode(model, book, tokens, "h2o"),
         "llama.cpp F32": lambda: llama_cpp_decode(f32, book, tokens, threads),
         "llama.cpp Q4_1 (the file as shipped)": lambda: llama_cpp_decode(gguf, book, tokens, threads),
     }
