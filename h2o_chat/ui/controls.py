@@ -23,6 +23,10 @@ ESC_STOPS = """() => {
 }"""
 
 
+# The page's half of the swap (see ``SendStopSwap.on``): Send hidden, Stop shown.
+SHOW_STOP = """() => [{__type__: "update", visible: false}, {__type__: "update", visible: true}]"""
+
+
 class StopSignal:
     """A view's Stop for its next or running turn, kept per browser in a ``gr.State``.
     Asking for a turn renews ``event``; Stop sets it; the turn hands it to its sessions.
@@ -53,9 +57,10 @@ def _stop(view: ViewState | None, signal: StopSignal) -> None:
 
 class SendStopSwap:
     """Shows ``stop`` instead of ``send`` while a turn runs or waits, and makes Stop stop
-    it. Call ``on`` before wiring the turns (the page runs a trigger's events in the order
-    they were wired, and the swap must come first) and ``until`` with the turns once
-    wired; the turns take ``signal`` among their inputs and hand ``stop_event(values)`` to
+    it. Only the page shows Stop and only a turn's end shows Send, so the two cannot be
+    answered out of order. Call ``on`` before wiring the turns (the page runs a trigger's
+    events in the order they were wired, and the swap must come first) and ``until`` with
+    the turns once wired; the turns take ``signal`` among their inputs and hand ``stop_event(values)`` to
     their sessions. For others that follow the view's turns (the server line):
     ``started``, the swap's own event, which runs at once when a turn is asked for (an
     event wired after a turn on the same trigger waits for the turn to end), and ``turns``."""
@@ -70,15 +75,20 @@ class SendStopSwap:
         stop.click(_stop, [state, self.signal], None, concurrency_limit=None, show_progress="hidden")
 
     def on(self, triggers: list[EventListenerMethod]) -> None:
-        def start(view: ViewState | None, signal: StopSignal) -> tuple:
-            if view is not None and view.streaming:
-                # The turn asked for will be refused; the running one's Stop stays. Its
-                # signal stays too: a Stop of this turn is a Stop of the running one.
-                return gr.skip(), gr.skip()
-            signal.renew()  # a Stop of an earlier turn must not stop this one
-            return gr.Button(visible=False), gr.Button(visible=True)
+        # The swap runs in the page, at the moment of the click or Enter. Answered by the
+        # server it could arrive after a turn that had meanwhile ended had shown Send
+        # again (seen on a loaded machine: Stop left shown, with nothing to stop). Stop
+        # already shown (a turn runs; this one will be refused) stays as it is.
+        gr.on(triggers, None, None, [self.send, self.stop], js=SHOW_STOP, queue=False,
+              show_progress="hidden", trigger_mode="multiple")
 
-        self.started = gr.on(triggers, start, [self.state, self.signal], [self.send, self.stop],
+        def start(view: ViewState | None, signal: StopSignal) -> None:
+            # With a turn running, the turn asked for will be refused, and a Stop now is
+            # a Stop of the running one: its signal stays.
+            if view is None or not view.streaming:
+                signal.renew()  # a Stop of an earlier turn must not stop this one
+
+        self.started = gr.on(triggers, start, [self.state, self.signal], None,
                              queue=False, show_progress="hidden")
 
     def stop_event(self, values: dict) -> threading.Event:
