@@ -99,6 +99,9 @@ class Generation:
         self.finish: FinishReason | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        # Set by the runner while the cache holds something of the runner's (a pool row):
+        # called as the generation ends, before its caller hears of it.
+        self.on_end: Callable[[], None] | None = None
         self._cancelled = False  # its stream was closed: end, without touching ``stop``
         self._out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._generator = None
@@ -150,6 +153,12 @@ class Generation:
             self.end("length")
 
     def end(self, reason: FinishReason, error: BaseException | None = None) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            try:
+                on_end()
+            except BaseException as err:  # the caller must hear of the end all the same
+                reason, error = "failed", error or err
         self.error = error
         self.finish = reason
         self._out.put(None)

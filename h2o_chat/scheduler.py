@@ -13,6 +13,7 @@ stays its own object, with its own scores, evictions, pins, positions and policy
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from contextlib import ExitStack
 import torch
 from transformers.cache_utils import Cache
 
+from .engine.pool import RowPool
 from .engine.rows import RowsCache
 from .generation import Generation
 
@@ -81,6 +83,9 @@ class BatchScheduler:
         self._running: list[Generation] = []
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
+        # The bounded caches of the rows decoding, side by side (``engine.pool``): each
+        # leaves as its generation ends, so between turns a cache owns its memory.
+        self._pool = RowPool()
         self.steps = 0  # forward steps run, for stats
         self.batched_rows = 0  # decode rows run in batches of more than one
 
@@ -174,7 +179,9 @@ class BatchScheduler:
                 if len(rows) == 1:
                     logits = [forward_one(model, rows[0].cache, ids)]
                 else:
-                    logits = forward_rows(model, [row.cache for row in rows], ids)
+                    for row in rows:  # its cache may join the pool now
+                        row.on_end = row.on_end or functools.partial(self._pool.release, row.cache)
+                    logits = forward_rows(model, [row.cache for row in rows], ids, pool=self._pool)
                     self.batched_rows += len(rows)
             except BaseException as err:  # every row's cache is for its caller to put back
                 for row in rows:
@@ -214,15 +221,24 @@ def forward_one(model, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def forward_rows(model, caches: list[Cache], ids: torch.Tensor, batched_attention: bool = True) -> list[torch.Tensor]:
+def forward_rows(model, caches: list[Cache], ids: torch.Tensor, batched_attention: bool = True,
+                 pool: RowPool | None = None) -> list[torch.Tensor]:
     """One decode step for several conversations at once: ``ids`` ``(rows, 1)``, row r
     fed to ``caches[r]`` at that cache's own next position. The logits of each row.
-    ``batched_attention`` False runs attention row by row (the benchmarks' comparison)."""
-    rows = RowsCache(caches, batched_attention)
+    ``batched_attention`` False runs attention row by row (the benchmarks' comparison).
+    ``pool``: where the caches can be its rows, they join it (``RowPool.rows_of``) and
+    attention reads them there; they stay members until ``pool.release``."""
+    rows = pool.rows_of(caches) if pool is not None and batched_attention else None
+    order = list(range(len(caches))) if rows is None else sorted(range(len(caches)), key=rows.__getitem__)
+    caches, ids = [caches[i] for i in order], ids[order]
+    batch = RowsCache(caches, batched_attention, None if rows is None else pool)
     positions = torch.tensor([[cache.get_seq_length()] for cache in caches], device=ids.device)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=rows, use_cache=True,
+    out = model(input_ids=ids, position_ids=positions, past_key_values=batch, use_cache=True,
                 logits_to_keep=1)
-    return list(out.logits[:, -1])
+    logits = [None] * len(caches)
+    for row, index in enumerate(order):
+        logits[index] = out.logits[row, -1]
+    return logits
 
 
 _schedulers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
+from h2o_chat.engine.pool import RowPool
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
 
 from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o,
@@ -87,6 +88,46 @@ def test_rows_join_and_leave_between_steps(tiny_model):
             last = dict(zip(rows, out))
     for row, steps in ((0, 20), (1, 15), (2, 10)):
         assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, ROWS[row], prompts()[row], steps)
+
+
+# Bounded rows that can share a pool: budgets, buffer sizes, pins and policies differ.
+POOLED = [ROWS[0], ROWS[2], dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=None)]
+
+
+def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_model):
+    """Row 2 joins the pool after 5 steps and row 0 leaves after 10; attention reads the
+    members where they lie in the pool. Each row still decodes as alone, and a row that
+    left holds its slots in buffers of its own."""
+    generator = torch.Generator().manual_seed(3)
+    prompt = [torch.randint(0, 128, (1, row["prompt"]), generator=generator) for row in POOLED]
+    caches = [new_cache(tiny_model, row) for row in POOLED]
+    pool, last, tokens, members = RowPool(), {}, {0: [], 1: [], 2: []}, []
+    with torch.inference_mode():
+        for row in (0, 1):
+            last[row] = forward_one(tiny_model, caches[row], prompt[row])
+        for step in range(20):
+            if step == 5:
+                last[2] = forward_one(tiny_model, caches[2], prompt[2])
+            if step == 10:
+                del last[0]
+                pool.release(caches[0])
+                storage = caches[0].whole_group().buffers["keys"].untyped_storage()
+                assert storage.data_ptr() != pool.buffers["keys"].untyped_storage().data_ptr()
+            rows = sorted(last)
+            for row in rows:
+                tokens[row].append(int(last[row].argmax()))
+            out = forward_rows(tiny_model, [caches[r] for r in rows], torch.tensor([[tokens[r][-1]] for r in rows]),
+                               pool=pool)
+            members.append(len(pool))
+            last = dict(zip(rows, out))
+        for cache in caches:
+            pool.release(cache)
+    # Rows join once they hold a group of every layer (after their first batched step).
+    assert members[:5] == [0] + [2] * 4 and members[6:10] == [3] * 4 and members[11:] == [2] * 9
+    assert len(pool) == 0 and pool.buffers == {}
+    for row, steps in ((0, 10), (1, 20), (2, 15)):
+        assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, POOLED[row], prompt[row], steps)
+        assert caches[row].whole_group().buffers["keys"].is_contiguous()
 
 
 @pytest.mark.parametrize("row", [0, 2, 3])

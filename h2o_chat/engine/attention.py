@@ -64,11 +64,16 @@ class Rows:
 
     ``batched``: the rows' slots are padded to the longest row and attended in one call,
     padding masked out; else each row runs its own call, exactly as it would alone.
+    ``pooled``: every row's keys and values already side by side, ``(rows, kv_heads,
+    longest held, head_dim)`` (past a row's own held slots, anything: it is masked out),
+    so nothing is stacked.
     """
 
-    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], batched: bool = True) -> None:
+    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], batched: bool = True,
+                 pooled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.rows = rows
         self.batched = batched
+        self.pooled = pooled
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -173,7 +178,7 @@ def h2o_attention(
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
     if isinstance(layer, Rows):
         if layer.batched:
-            return _attend_rows(layer.rows, query, scaling), None
+            return _attend_rows(layer.rows, query, scaling, layer.pooled), None
         outputs = [_attend(row, query[r : r + 1], keys, values, None, scaling)[0]
                    for r, (row, keys, values) in enumerate(layer.rows)]
         return torch.cat(outputs), None
@@ -181,7 +186,7 @@ def h2o_attention(
 
 
 def _attend_rows(rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], query: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
+                 scaling: float, pooled: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """One decode step's attention for rows of different caches in one call: each row's
     held slots stacked with the others', padded to the longest row's where they differ and
     the padding masked out (it gets exactly zero probability), so a row's scores and
@@ -189,8 +194,11 @@ def _attend_rows(rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]],
     layer, which dominates at many rows or on a GPU."""
     prepared = [client.prepare(query[r : r + 1], None) for r, (client, _, _) in enumerate(rows)]
     held = [keys.shape[2] for _, keys, _ in rows]
-    keys = _stacked([row_keys for _, row_keys, _ in rows], held)
-    values = _stacked([row_values for _, _, row_values in rows], held)
+    if pooled is not None:
+        keys, values = pooled
+    else:
+        keys = _stacked([row_keys for _, row_keys, _ in rows], held)
+        values = _stacked([row_values for _, _, row_values in rows], held)
     queries = torch.cat([row_query for row_query, _ in prepared])
     mask = _rows_mask([valid for _, valid in prepared], held, keys)
     if not any(client.wants_probabilities for client, _, _ in rows):

@@ -362,6 +362,12 @@ class H2OCache(CacheStateMixin, Cache):
             self._stack_layers()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def whole_group(self) -> SlotGroup | None:
+        """The ``SlotGroup`` of every layer, where one holds them all (a bounded cache once
+        every layer holds its first tokens), else None."""
+        group = self.layers[0].group
+        return group if group is not None and len(group) == len(self.layers) else None
+
     def _stack_layers(self) -> None:
         """Put each run of neighbouring layers that share device, dtype and shapes into one
         ``SlotGroup`` (all layers, on one device), so the run evicts at once. Runs are

@@ -190,6 +190,13 @@ class SlotGroup:
 
         self._adopt({name: grow(t) for name, t in self.buffers.items()})
 
+    def relocate(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Move what the group holds into ``buffers`` (shaped as its own, e.g. a row of a
+        ``RowPool``) and keep those from now on."""
+        for name, t in buffers.items():
+            t.copy_(self.buffers[name])
+        self._adopt(buffers)
+
     def dissolve(self) -> None:
         """Give every member a group of its own (a copy of its row); a group of one
         already is one."""
@@ -205,9 +212,19 @@ class SlotGroup:
         for end in range(1, len(layers) + 1):
             if end < len(layers) and layers[end].held == layers[start].held:
                 continue
-            # A view (never a copy), so evicting it evicts the members.
-            flat = {name: t[:, start:end].view(t.shape[0], -1, *t.shape[3:]) for name, t in self.buffers.items()}
+            flat = {name: _side_by_side(t[:, start:end]) for name, t in self.buffers.items()}
             held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].key_rotation)
             for layer in layers[start:end]:
                 layer.held = held
             start = end
+
+
+def _side_by_side(buffer: torch.Tensor) -> torch.Tensor:
+    """``(batch, layers, kv_heads, size, ...)`` as ``(batch, layers * kv_heads, size, ...)``:
+    a view (never a copy), so evicting it evicts the members. A ``RowPool``'s row cannot
+    merge its layers and heads in a view: it shows its layers as the rows instead (every
+    policy decides per head; a policy that tells rows apart is for multi-row caches,
+    which are never pooled)."""
+    if buffer.shape[0] == 1 and buffer.stride(1) != buffer.shape[2] * buffer.stride(2):
+        return buffer[0]
+    return buffer.view(buffer.shape[0], -1, *buffer.shape[3:])

@@ -92,6 +92,9 @@ def model_status(provider: ModelProvider) -> str:
             f"loaded in {m.load_seconds:.1f} s")
 
 
+START_TIMER = """() => ({__type__: "update", active: true})"""
+
+
 def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendStopSwap]) -> None:
     """The server line: polled rarely, for other browsers' turns; often from the moment
     one of this page's views (given by their ``swaps``) is asked for a turn until the
@@ -113,8 +116,8 @@ def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendSt
         return server_line(server), gr.Timer(active=running)
 
     for swap in swaps:
-        swap.started.then(lambda: gr.Timer(active=True), None, busy_poll, queue=False,
-                          show_progress="hidden")
+        # In the page, as the swap: a server's answer could come after the turn ended.
+        swap.started.then(None, None, busy_poll, js=START_TIMER, queue=False, show_progress="hidden")
         for turn in swap.turns:
             turn.then(after_turn, states, [line, busy_poll], **options)
 

@@ -62,8 +62,9 @@ class SendStopSwap:
     events in the order they were wired, and the swap must come first) and ``until`` with
     the turns once wired; the turns take ``signal`` among their inputs and hand ``stop_event(values)`` to
     their sessions. For others that follow the view's turns (the server line):
-    ``started``, the swap's own event, which runs at once when a turn is asked for (an
-    event wired after a turn on the same trigger waits for the turn to end), and ``turns``."""
+    ``started``, the swap's event in the page, which runs at once when a turn is asked for
+    (an event wired after a turn on the same trigger waits for the turn to end), and
+    ``turns``."""
 
     def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State) -> None:
         self.send, self.stop, self.state = send, stop, state
@@ -79,8 +80,8 @@ class SendStopSwap:
         # server it could arrive after a turn that had meanwhile ended had shown Send
         # again (seen on a loaded machine: Stop left shown, with nothing to stop). Stop
         # already shown (a turn runs; this one will be refused) stays as it is.
-        gr.on(triggers, None, None, [self.send, self.stop], js=SHOW_STOP, queue=False,
-              show_progress="hidden", trigger_mode="multiple")
+        self.started = gr.on(triggers, None, None, [self.send, self.stop], js=SHOW_STOP, queue=False,
+                             show_progress="hidden", trigger_mode="multiple")
 
         def start(view: ViewState | None, signal: StopSignal) -> None:
             # With a turn running, the turn asked for will be refused, and a Stop now is
@@ -88,8 +89,7 @@ class SendStopSwap:
             if view is None or not view.streaming:
                 signal.renew()  # a Stop of an earlier turn must not stop this one
 
-        self.started = gr.on(triggers, start, [self.state, self.signal], None,
-                             queue=False, show_progress="hidden")
+        gr.on(triggers, start, [self.state, self.signal], None, queue=False, show_progress="hidden")
 
     def stop_event(self, values: dict) -> threading.Event:
         """The event that stops the turn whose inputs are ``values``."""
