@@ -70,10 +70,11 @@ class BatchScheduler:
     ``gather_s``: a generation arriving while none waits holds its first step this long
     for others arriving with it, so turns started together run together from their first
     piece (batched rows round differently than one row alone). The rows already running
-    go on meanwhile. Zero by default: tests use it to make batches reproducible."""
+    go on meanwhile. Zero by default: tests use it to make batches reproducible.
+    ``pool`` False: the rows' caches never join a ``RowPool`` (the benchmarks' comparison)."""
 
     def __init__(self, model, gather_s: float = 0.0, max_batch: int = 64,
-                 prefill_piece: int = PREFILL_PIECE) -> None:
+                 prefill_piece: int = PREFILL_PIECE, pool: bool = True) -> None:
         # Weak: the scheduler is kept per model in a weak dictionary, which a strong
         # reference back would keep alive for ever.
         self._model = weakref.ref(model)
@@ -85,7 +86,7 @@ class BatchScheduler:
         self._worker: threading.Thread | None = None
         # The bounded caches of the rows decoding, side by side (``engine.pool``): each
         # leaves as its generation ends, so between turns a cache owns its memory.
-        self._pool = RowPool()
+        self._pool = RowPool() if pool else None
         self.steps = 0  # forward steps run, for stats
         self.batched_rows = 0  # decode rows run in batches of more than one
 
@@ -180,7 +181,8 @@ class BatchScheduler:
                     logits = [forward_one(model, rows[0].cache, ids)]
                 else:
                     for row in rows:  # its cache may join the pool now
-                        row.on_end = row.on_end or functools.partial(self._pool.release, row.cache)
+                        if self._pool is not None and row.on_end is None:
+                            row.on_end = functools.partial(self._pool.release, row.cache)
                     logits = forward_rows(model, [row.cache for row in rows], ids, pool=self._pool)
                     self.batched_rows += len(rows)
             except BaseException as err:  # every row's cache is for its caller to put back

@@ -36,9 +36,10 @@ from .report import pyplot
 from .speed import RssSampler
 
 # Each mode's cache settings; "take turns" runs one forward pass at a time (the app
-# before batching), the others batched by the scheduler.
+# before batching), the others batched by the scheduler ("no pool": its rows' caches
+# never join a ``RowPool``, so attention reads stacked copies of them).
 MODES = {"batched h2o": CacheConfig(), "take turns h2o": CacheConfig(), "batched full": CacheConfig(policy="full"),
-         "batched h2o K8/V4": CacheConfig(key_bits=8, value_bits=4)}
+         "batched h2o K8/V4": CacheConfig(key_bits=8, value_bits=4), "batched h2o, no pool": CacheConfig()}
 
 
 @dataclass
@@ -76,7 +77,10 @@ def passages(tokenizer, count: int, length: int) -> list[str]:
 
 def run_mode(model, tokenizer, mode: str, questions: list[dict], texts: list[str],
              history: int, max_new_tokens: int, turns: int) -> Run:
-    runner = TakeTurns(model) if mode.startswith("take turns") else BatchScheduler(model)
+    if mode.startswith("take turns"):
+        runner = TakeTurns(model)
+    else:
+        runner = BatchScheduler(model, pool=not mode.endswith("no pool"))
     cache = MODES[mode]
     sessions = [conversation(model, tokenizer, cache, runner, text) for text in texts]
     generated = [0] * len(sessions)
@@ -311,6 +315,10 @@ def ratios(runs: list[Run]) -> list[str]:
     """The issue's targets, from runs of one process."""
     by = {(r.conversations, r.history, r.mode): r for r in runs}
     lines = []
+    for n, h in sorted({(r.conversations, r.history) for r in runs}):
+        if (n, h, "batched h2o") in by and (n, h, "batched h2o, no pool") in by:
+            ratio = by[n, h, "batched h2o"].aggregate / by[n, h, "batched h2o, no pool"].aggregate
+            lines.append(f"{n} conversations at {h}: batched h2o / the same without the pool = {ratio:.2f}x")
     for n, h, a, b, target in ((8, 2048, "batched h2o", "take turns h2o", 3.5),
                                (32, 2048, "batched h2o", "take turns h2o", 5),
                                (4, 2048, "batched h2o", "take turns h2o", 1.8),

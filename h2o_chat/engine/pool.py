@@ -148,6 +148,9 @@ class RowPool:
 
 
 def _whole_group(cache: H2OCache) -> SlotGroup | None:
-    """The one group holding all of a one-row ``cache``'s layers, else None."""
+    """The one group holding all of a one-row ``cache``'s layers, else None. Quantized
+    keys are read dequantized, never where they lie: such a cache gains nothing here."""
     group = cache.whole_group() if isinstance(cache, H2OCache) else None
-    return group if group is not None and next(iter(group.buffers.values())).shape[0] == 1 else None
+    if group is None or group.buffers["keys"].shape[0] != 1 or not group.buffers["keys"].is_floating_point():
+        return None
+    return group
