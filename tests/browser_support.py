@@ -135,6 +135,14 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
     page.evaluate("() => { window.openedByTest = true; }")  # gone if the page reloads
+
+    def navigated(frame) -> None:
+        # Gradio reloads a page whose event stream broke; a failed test's captured output
+        # then says so, which tells that kind of failure from the others.
+        if frame is page.main_frame:
+            print(f"the page navigated again (a reload?): {frame.url}")
+
+    page.on("framenavigated", navigated)
     return page
 
 
