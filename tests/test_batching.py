@@ -130,6 +130,36 @@ def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_mo
         assert caches[row].whole_group().buffers["keys"].is_contiguous()
 
 
+def test_a_pool_whose_members_all_left_on_their_own_takes_new_rows(tiny_model):
+    """Eight members, all reset meanwhile (their rows stale, none released): the pool
+    frees every row, spare ones included, and takes the next batch as alone."""
+    row = POOLED[2]
+    prompt = torch.randint(0, 128, (1, row["prompt"]), generator=torch.Generator().manual_seed(4))
+    pool = RowPool()
+    with torch.inference_mode():
+        old = [new_cache(tiny_model, row) for _ in range(8)]
+        for cache in old:
+            forward_one(tiny_model, cache, prompt)
+        ids = torch.full((8, 1), 5)
+        for _ in range(2):
+            forward_rows(tiny_model, old, ids, pool=pool)
+        assert len(pool) == 8
+        for cache in old:
+            cache.reset()
+        fresh = [new_cache(tiny_model, row) for _ in range(2)]
+        for cache in fresh:
+            forward_one(tiny_model, cache, prompt)
+        forward_rows(tiny_model, fresh, ids[:2])  # every layer of each in one group
+        tokens = [int(logits.argmax()) for logits in forward_rows(tiny_model, fresh, ids[:2], pool=pool)]
+    assert len(pool) == 2
+    alone = new_cache(tiny_model, row)
+    with torch.inference_mode():
+        forward_one(tiny_model, alone, prompt)
+        forward_one(tiny_model, alone, ids[:1])
+        expected = int(forward_one(tiny_model, alone, ids[:1]).argmax())
+    assert tokens == [expected, expected]
+
+
 @pytest.mark.parametrize("row", [0, 2, 3])
 def test_a_chunk_fed_in_pieces_with_eviction_held_keeps_what_one_pass_keeps(tiny_model, row):
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))

@@ -25,6 +25,7 @@ from . import data
 from .report import pyplot
 from .speed import decode, prefill
 
+
 def f32_copy(gguf: Path, target: Path) -> Path:
     """``gguf`` with every tensor dequantized to float32 (metadata kept), at ``target``."""
     import gguf as gguf_lib  # a dependency of the app (it reads GGUF files)

@@ -138,7 +138,7 @@ def attention_step_costs(model, tokenizer, counts: list[int], history: int = 320
             seconds = {path: [] for path in paths}
             for _ in range(rounds):
                 for path, options in paths.items():
-                    forward_rows(model, caches, ids, **options)  # the rows join the pool, untimed
+                    forward_rows(model, caches, ids, **options)  # untimed: with the pool, the rows join it
                     started = time.perf_counter()
                     for _ in range(steps):
                         forward_rows(model, caches, ids, **options)

@@ -87,6 +87,7 @@ class RowPool:
                 group = _whole_group(cache)
                 group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
                 self._drop_row(row)
+                self._shrink()
                 return
 
     def _reserve(self, rows: int, size: int, like: SlotGroup) -> None:
@@ -126,6 +127,10 @@ class RowPool:
         self._members.pop()
         if row != last:
             self._point(row)
+
+    def _shrink(self) -> None:
+        """Let go of spare rows once most are unused; of all buffers once none is used.
+        Only after every member left is known: a resize moves every member."""
         room, held = self._room()
         if not self._members:
             self.buffers, self._signature = {}, None  # an idle pool holds no memory
@@ -140,6 +145,7 @@ class RowPool:
             cache = self._members[row]()
             if cache is None or not self._holds(cache, row):
                 self._drop_row(row)
+        self._shrink()
 
     def _holds(self, cache: H2OCache, row: int) -> bool:
         group = _whole_group(cache)

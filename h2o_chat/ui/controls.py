@@ -60,8 +60,8 @@ class SendStopSwap:
     it. Only the page shows Stop and only a turn's end shows Send, so the two cannot be
     answered out of order. Call ``on`` before wiring the turns (the page runs a trigger's
     events in the order they were wired, and the swap must come first) and ``until`` with
-    the turns once wired; the turns take ``signal`` among their inputs and hand ``stop_event(values)`` to
-    their sessions. For others that follow the view's turns (the server line):
+    the turns once wired; the turns take ``signal`` among their inputs and hand
+    ``stop_event(values)`` to their sessions. For others that follow the view's turns (the server line):
     ``started``, the swap's event in the page, which runs at once when a turn is asked for
     (an event wired after a turn on the same trigger waits for the turn to end), and
     ``turns``."""
