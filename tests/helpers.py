@@ -34,6 +34,18 @@ def fail_next_update(layer) -> None:
     layer.update = failing_update
 
 
+def fail_next_forward(module) -> None:
+    """Make ``module``'s next forward raise once: for a decoder layer, a forward pass fails
+    after the layers before it took the new tokens, however its cache takes them (rows of
+    a pool take them without their layers' ``update``)."""
+
+    def failing_forward(*args, **kwargs):
+        del module.forward  # back to the class's
+        raise RuntimeError("injected failure")
+
+    module.forward = failing_forward
+
+
 def record_slots_attended(cache) -> list[int]:
     """A list that fills, per attention call of layer 0, with the slots attention sees."""
     sizes = []

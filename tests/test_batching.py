@@ -9,7 +9,7 @@ from h2o_chat import ChatSession, make_cache
 from h2o_chat.engine.pool import RowPool
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
 
-from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o,
+from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward, h2o,
                       together)
 
 # Four conversations unlike each other in every way a row can differ.
@@ -128,6 +128,47 @@ def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_mo
     for row, steps in ((0, 10), (1, 20), (2, 15)):
         assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, POOLED[row], prompt[row], steps)
         assert caches[row].whole_group().buffers["keys"].is_contiguous()
+
+
+# h2o rows of a pool, alike but for budgets, pins, ranking and length, each past its budget
+# (its buffers at their peak once its pins are in): they take their tokens in one write per buffer and their
+# scores in one addition for all rows.
+SUMMING = [dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=40, pin=(3, 9)),
+           dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=(35, 38)),  # decoded tokens pinned
+           dict(policy="h2o", heavy=8, recent=8, sink=0, prompt=45, pin=(0, 12), score_norm="mean")]
+
+
+def test_pooled_rows_written_and_scored_at_once_keep_what_each_keeps_alone(tiny_model, monkeypatch):
+    import h2o_chat.engine.rows as rows_module
+
+    appended = []
+    append_rows = rows_module.append_rows
+    monkeypatch.setattr(rows_module, "append_rows", lambda *args: appended.append(append_rows(*args)) or appended[-1])
+    steps = 25
+    generator = torch.Generator().manual_seed(5)
+    prompt = [torch.randint(0, 128, (1, row["prompt"]), generator=generator) for row in SUMMING]
+    caches = [new_cache(tiny_model, row) for row in SUMMING]
+    pool, tokens = RowPool(), [[] for _ in SUMMING]
+    with torch.inference_mode():
+        logits = [forward_one(tiny_model, cache, ids) for cache, ids in zip(caches, prompt)]
+        for _ in range(steps):
+            for row, row_logits in enumerate(logits):
+                tokens[row].append(int(row_logits.argmax()))
+            logits = forward_rows(tiny_model, caches, torch.tensor([[t[-1]] for t in tokens]), pool=pool)
+    # Every layer of every step after the first (when the rows join) took the one write.
+    assert appended.count(True) == (steps - 1) * len(caches[0].layers) and len(pool) == len(SUMMING)
+    for row, cache in enumerate(caches):
+        alone = new_cache(tiny_model, SUMMING[row])
+        with torch.inference_mode():
+            forward_one(tiny_model, alone, prompt[row])
+            for token in tokens[row]:
+                forward_one(tiny_model, alone, torch.tensor([[token]]))
+        assert (tokens[row], kept(cache)) == decode_alone(tiny_model, SUMMING[row], prompt[row], steps)
+        for mine, theirs in zip(cache.layers, alone.layers):
+            order, their_order = mine.positions.argsort(dim=-1), theirs.positions.argsort(dim=-1)
+            assert torch.allclose(mine.scores.gather(-1, order), theirs.scores.gather(-1, their_order), atol=1e-5)
+            assert torch.equal(mine.pinned.gather(-1, order), theirs.pinned.gather(-1, their_order))
+            assert mine.seen == theirs.seen
 
 
 def test_a_pool_whose_members_all_left_on_their_own_takes_new_rows(tiny_model):
@@ -251,7 +292,7 @@ def test_a_failed_batched_pass_reaches_every_row_and_each_stays_usable(smollm):
             stream = sessions[index].send("Count from one to twenty.", temperature=0, max_new_tokens=24)
             for received, _ in enumerate(stream, 1):
                 if index == 0 and received == 3:
-                    fail_next_update(sessions[0].cache.layers[3])
+                    fail_next_forward(model.model.layers[3])
         except RuntimeError as err:
             errors[index] = str(err)
 

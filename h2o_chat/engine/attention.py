@@ -12,6 +12,7 @@ kernel runs.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -38,7 +39,8 @@ class AttentionClient(Protocol):
     def receive(self, probabilities: torch.Tensor | None) -> None:
         """End of the attention call: its probabilities, ``(batch, kv_heads, groups,
         query, held)`` float32 (query heads grouped by the KV head whose slots they
-        read), where the layer wanted them; else None."""
+        read), where the layer wanted them; else None (also where ``Rows.scores`` took
+        them already)."""
 
 
 _pending = threading.local()
@@ -58,22 +60,27 @@ def awaiting_attention() -> AttentionClient | Rows | None:
     return getattr(_pending, "layer", None)
 
 
+@dataclass
 class Rows:
     """One attention call serving several conversations' own caches: batch row r is
-    attention over ``rows[r]``'s layer, with that layer's keys and values (``engine.rows``).
+    attention over ``clients[r]``'s layer, which holds ``held[r]`` slots (``engine.rows``).
 
-    ``batched``: the rows' slots are padded to the longest row and attended in one call,
-    padding masked out; else each row runs its own call, exactly as it would alone.
-    ``pooled``: every row's keys and values already side by side, ``(rows, kv_heads,
-    longest held, head_dim)`` (past a row's own held slots, anything: it is masked out),
-    so nothing is stacked.
+    ``keys``/``values``: each row's own, ``(1, kv_heads, held[r], head_dim)``, or every
+    row's already side by side, ``(rows, kv_heads, max(held), head_dim)`` (a ``RowPool``'s,
+    read where they lie; past a row's own held slots anything finite: it is masked out).
+    ``batched``: the rows are attended in one call, padded to the longest and the padding
+    masked out; else each row runs its own call, exactly as it would alone. ``scores``:
+    where given, every row's scores side by side, ``(rows, kv_heads, max(held))``, where
+    the rows' policies simply add the mass each slot receives: it is added there for all
+    rows at once (padding receives exactly zero) and each row then receives None.
     """
 
-    def __init__(self, rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], batched: bool = True,
-                 pooled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.rows = rows
-        self.batched = batched
-        self.pooled = pooled
+    clients: list[AttentionClient]
+    held: list[int]
+    keys: list[torch.Tensor] | torch.Tensor
+    values: list[torch.Tensor] | torch.Tensor
+    batched: bool = True
+    scores: torch.Tensor | None = None
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -178,36 +185,38 @@ def h2o_attention(
         return _sdpa_attention(query, key, value, attention_mask, scaling), None
     if isinstance(layer, Rows):
         if layer.batched:
-            return _attend_rows(layer.rows, query, scaling, layer.pooled), None
-        outputs = [_attend(row, query[r : r + 1], keys, values, None, scaling)[0]
-                   for r, (row, keys, values) in enumerate(layer.rows)]
+            return _attend_rows(layer, query, scaling), None
+        outputs = [_attend(client, query[r : r + 1], keys, values, None, scaling)[0]
+                   for r, (client, keys, values) in enumerate(zip(layer.clients, layer.keys, layer.values))]
         return torch.cat(outputs), None
     return _attend(layer, query, key, value, attention_mask, scaling)
 
 
-def _attend_rows(rows: list[tuple[AttentionClient, torch.Tensor, torch.Tensor]], query: torch.Tensor,
-                 scaling: float, pooled: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _attend_rows(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode step's attention for rows of different caches in one call: each row's
-    held slots stacked with the others', padded to the longest row's where they differ and
-    the padding masked out (it gets exactly zero probability), so a row's scores and
+    held slots beside the others', padded to the longest row's where they differ and the
+    padding masked out (it gets exactly zero probability), so a row's scores and
     eviction are its own. A per-row loop launched a dozen small operations per row and
     layer, which dominates at many rows or on a GPU."""
-    prepared = [client.prepare(query[r : r + 1], None) for r, (client, _, _) in enumerate(rows)]
-    held = [keys.shape[2] for _, keys, _ in rows]
-    if pooled is not None:
-        keys, values = pooled
-    else:
-        keys = _stacked([row_keys for _, row_keys, _ in rows], held)
-        values = _stacked([row_values for _, _, row_values in rows], held)
+    clients, held = rows.clients, rows.held
+    prepared = [client.prepare(query[r : r + 1], None) for r, client in enumerate(clients)]
+    keys, values = rows.keys, rows.values
+    if not isinstance(keys, torch.Tensor):
+        keys, values = _stacked(keys, held), _stacked(values, held)
     queries = torch.cat([row_query for row_query, _ in prepared])
     mask = _rows_mask([valid for _, valid in prepared], held, keys)
-    if not any(client.wants_probabilities for client, _, _ in rows):
+    if not any(client.wants_probabilities for client in clients):
         output = _sdpa_attention(queries, keys, values, mask, scaling)
-        for client, _, _ in rows:
+        for client in clients:
             client.receive(None)
         return output
     output, probabilities = _scored_attention(queries, keys, values, mask, scaling)
-    for r, (client, _, _) in enumerate(rows):
+    if rows.scores is not None:
+        rows.scores.add_(probabilities.sum(dim=(2, 3)))
+        for client in clients:
+            client.receive(None)
+        return output
+    for r, client in enumerate(clients):
         client.receive(probabilities[r : r + 1, ..., : held[r]] if client.wants_probabilities else None)
     return output
 

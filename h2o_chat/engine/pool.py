@@ -108,7 +108,7 @@ class RowPool:
     def _resize(self, rows: int, size: int, like: SlotGroup) -> None:
         """New buffers of ``rows`` rows of ``size`` slots, alike ``like``'s: every member
         moves into them."""
-        self.buffers = {name: t.new_empty((t.shape[1], rows, t.shape[2], size, *t.shape[4:]))
+        self.buffers = {name: t.new_zeros((t.shape[1], rows, t.shape[2], size, *t.shape[4:]))
                         for name, t in like.buffers.items()}
         self._signature = _signature(like)
         for row in range(len(self._members)):

@@ -44,6 +44,12 @@ class SlotCodec:
 
     def write(self, buffers: dict[str, torch.Tensor], name: str, start: int, end: int, x: torch.Tensor) -> None:
         """Store ``x`` ``(batch, heads, end - start, dim)`` into slots ``start:end``."""
+        self.write_at(buffers, name, (slice(None), slice(None), slice(start, end)), x)
+
+    def write_at(self, buffers: dict[str, torch.Tensor], name: str, at: tuple, x: torch.Tensor) -> None:
+        """Store ``x`` into the slots that index ``at`` selects of ``(batch, heads, size)``
+        (e.g. one slot of each batch row): ``x`` is shaped as that selection, head
+        dimension last."""
         raise NotImplementedError
 
     def read(self, held: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -66,8 +72,8 @@ class FloatCodec(SlotCodec):
             return model_dtype  # bfloat16 stays bfloat16 at 16 bits
         return _FLOAT_OF_BITS[self.bits]
 
-    def write(self, buffers, name, start, end, x):
-        buffers[name][:, :, start:end] = x
+    def write_at(self, buffers, name, at, x):
+        buffers[name][at] = x.to(buffers[name].dtype)
 
     def read(self, held, name, dtype):
         return held[name].to(dtype)
@@ -135,11 +141,11 @@ class GroupQuantCodec(SlotCodec):
         grouped.mul_(scale[..., None]).add_(minimum[..., None])
         return values.to(dtype)
 
-    def write(self, buffers, name, start, end, x):
+    def write_at(self, buffers, name, at, x):
         codes, scale, minimum = self.encode(x)
-        buffers[name][:, :, start:end] = codes
-        buffers[f"{name}_scale"][:, :, start:end] = scale
-        buffers[f"{name}_min"][:, :, start:end] = minimum
+        buffers[name][at] = codes
+        buffers[f"{name}_scale"][at] = scale
+        buffers[f"{name}_min"][at] = minimum
 
     def read(self, held, name, dtype):
         return self.decode(held[name], held[f"{name}_scale"], held[f"{name}_min"], dtype)

@@ -15,15 +15,29 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import Rows, awaiting_attention, hand_over
+from .cache import append_rows
 from .pool import RowPool
+
+
+class _InPool:
+    """The batch's caches as rows ``0..n-1`` of ``pool``: true of every layer of them from
+    the step's start (``RowPool.rows_of``) until some row's layer takes its token on its
+    own (which may move it out, e.g. into bigger buffers of its own)."""
+
+    def __init__(self, pool: RowPool, rows: int) -> None:
+        self.pool, self.rows, self.intact = pool, rows, True
+
+    def buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        """Buffers of ``layer`` for the batch's rows, by name."""
+        return {name: self.pool.rows(name, layer, self.rows) for name in self.pool.buffers}
 
 
 class _RowsLayer(CacheLayerMixin):
     """Layer ``index`` of every row's cache."""
 
-    def __init__(self, caches: list[Cache], index: int, batched: bool, pool: RowPool | None) -> None:
+    def __init__(self, caches: list[Cache], index: int, batched: bool, in_pool: _InPool | None) -> None:
         super().__init__()
-        self.caches, self.index, self.batched, self.pool = caches, index, batched, pool
+        self.caches, self.index, self.batched, self.in_pool = caches, index, batched, in_pool
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -31,27 +45,47 @@ class _RowsLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        for row, cache in enumerate(self.caches):
-            keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], self.index)
-            rows.append((awaiting_attention(), keys, values))
-        hand_over(Rows(rows, self.batched, self._pooled(rows)))
+        rows = self._pooled_update(key_states, value_states)
+        hand_over(rows if rows is not None else self._rows_update(key_states, value_states))
         # The attention function reads each row's own slots from ``Rows``; these are
         # only what the model's attention module passes along.
         return key_states, value_states
 
-    def _pooled(self, rows: list[tuple]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every row's keys and values as they lie in the pool, ``(rows, kv_heads, longest
-        held, head_dim)``, where attention reads exactly those (stored as the model gives
-        them: quantized slots are read dequantized); else None."""
-        if self.pool is None:
+    def _rows_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Rows:
+        """Each row's cache takes its new token as it would alone; attention reads the
+        rows where they lie if they are still the pool's rows and read as stored."""
+        clients, keys, values = [], [], []
+        for row, cache in enumerate(self.caches):
+            row_keys, row_values = cache.update(key_states[row : row + 1], value_states[row : row + 1], self.index)
+            clients.append(awaiting_attention())
+            keys.append(row_keys)
+            values.append(row_values)
+        held = [row_keys.shape[2] for row_keys in keys]
+        if self.in_pool is None:
+            return Rows(clients, held, keys, values, self.batched)
+        self.in_pool.intact = False
+        pooled = self.in_pool.buffers(self.index)
+        if all(_lies_in(k, pooled["keys"][r]) and _lies_in(v, pooled["values"][r])
+               for r, (k, v) in enumerate(zip(keys, values))):
+            keys, values = pooled["keys"][:, :, : max(held)], pooled["values"][:, :, : max(held)]
+        return Rows(clients, held, keys, values, self.batched)
+
+    def _pooled_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Rows | None:
+        """Where the rows are the pool's (each layer's buffers a row of the pool's), every
+        row takes its new token in one write per buffer (``append_rows``) and attention
+        reads the rows where they lie, scoring them in one addition where their policies
+        simply add; else None, with nothing done."""
+        if self.in_pool is None or not self.in_pool.intact:
             return None
-        keys, values = (self.pool.rows(name, self.index, len(rows)) for name in ("keys", "values"))
-        for row, (_, row_keys, row_values) in enumerate(rows):
-            if not (_lies_in(row_keys, keys[row]) and _lies_in(row_values, values[row])):
-                return None
-        longest = max(row_keys.shape[2] for _, row_keys, _ in rows)
-        return keys[:, :, :longest], values[:, :, :longest]
+        buffers = self.in_pool.buffers(self.index)
+        layers = [cache.layers[self.index] for cache in self.caches]
+        if not append_rows(layers, buffers, key_states, value_states):
+            return None
+        held = [layer.held for layer in layers]
+        longest = max(held)
+        scores = buffers["scores"][:, :, :longest] if all(layer.sums_probabilities for layer in layers) else None
+        return Rows(layers, held, buffers["keys"][:, :, :longest], buffers["values"][:, :, :longest],
+                    self.batched, scores)
 
     def get_seq_length(self) -> int:
         return max(cache.get_seq_length(self.index) for cache in self.caches)
@@ -79,4 +113,5 @@ class RowsCache(Cache):
     def __init__(self, caches: list[Cache], batched: bool = True, pool: RowPool | None = None) -> None:
         if len({len(cache.layers) for cache in caches}) != 1:
             raise ValueError("the caches of one batch must belong to one model")
-        super().__init__(layers=[_RowsLayer(caches, i, batched, pool) for i in range(len(caches[0].layers))])
+        in_pool = _InPool(pool, len(caches)) if pool is not None and batched else None
+        super().__init__(layers=[_RowsLayer(caches, i, batched, in_pool) for i in range(len(caches[0].layers))])

@@ -100,7 +100,7 @@ class SlotMember(Protocol):
 
     policy: EvictionPolicy
     key_rotation: RopeShifter | None  # rotates kept keys in place when rolling moves them
-    held: int  # slots in use; setting it re-points the layer's views
+    held: int  # slots in use: the first ``held`` of the layer's buffers
 
     @property
     def size(self) -> int: ...
