@@ -7,6 +7,10 @@ row from that row's own layer (``attention.Rows``). What runs batched is the res
 model (embeddings, projections, MLPs, norms, the output head), which is where a small
 batch gains: their weights are read once per step for every row. The caller gives each
 row its position (``position_ids``), since the caches have seen different lengths.
+
+Rows that are a ``RowPool``'s take their tokens in one write per buffer for all rows
+(``append_rows``), the same slots each would have written alone, and are read and scored
+where they lie.
 """
 
 from __future__ import annotations
