@@ -135,3 +135,11 @@ class use_rule:
 
     def __exit__(self, *exc):
         _active_rule.remove(self.rule)
+
+
+def nucleus_by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus (top-p) filtering the plain way: the whole vocabulary sorted, the smallest
+    prefix whose mass reaches ``top_p`` kept, everything else zeroed."""
+    ranked, order = probs.sort(descending=True)
+    ranked[ranked.cumsum(-1) - ranked >= top_p] = 0
+    return torch.zeros_like(probs).scatter_(-1, order, ranked)

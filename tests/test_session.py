@@ -8,8 +8,10 @@ from transformers import DynamicCache
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
+from h2o_chat.generation import nucleus
 
 from .helpers import BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o, record_slots_attended
+from .reference import nucleus_by_sorting
 
 def test_first_reply_equals_stock_generate(smollm):
     model, tokenizer = smollm
@@ -104,6 +106,22 @@ def test_seeded_sampling_is_reproducible(smollm):
         for _ in range(2)
     ]
     assert replies[0] == replies[1] and replies[0].strip()
+
+
+def test_nucleus_equals_sorting_the_whole_vocabulary(smollm):
+    """The nucleus from the most likely tokens first is the one a full sort gives, for the
+    model's own next-token distributions and for flat ones whose nucleus goes past them."""
+    model, tokenizer = smollm
+    ids = tokenizer("The capital of France is Paris. The largest planet", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0]
+    generator = torch.Generator().manual_seed(0)
+    flat = [torch.randn(logits.shape[-1], generator=generator) * scale for scale in (0.01, 0.5)]
+    for row in [*logits, *flat]:
+        for temperature in (0.7, 1.0, 1.5):
+            probs = torch.softmax(row.float() / temperature, dim=-1)
+            for top_p in (0.5, 0.9, 0.99):
+                assert torch.equal(nucleus(probs, top_p), nucleus_by_sorting(probs.clone(), top_p))
 
 
 def test_two_sessions_in_two_threads_do_not_mix(smollm):
