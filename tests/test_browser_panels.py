@@ -102,13 +102,16 @@ def test_the_server_line_follows_this_pages_turn(browser, app_url):
                 route.continue_()
 
         page.route("**/queue/join*", join)
-        configure(page, max_new_tokens=64)
+        # The slider's longest reply (greedy, the story runs all of it), stopped once seen:
+        # a 64-token reply could end before a poll came through on a loaded machine.
+        configure(page, max_new_tokens=1024)
         line = page.locator("#server-load")
         expect(line).to_contain_text("· 0 generating")
         page.fill("#chat-input textarea", "Write a long story about a lighthouse keeper.")
         page.click("#chat-send")
         # The server counts a turn only while it streams: seen, it was seen in time.
         expect(line).to_contain_text("· 1 generating", timeout=DONE_TIMEOUT_MS)
+        page.keyboard.press("Escape")
         expect(page.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
         expect(line).to_contain_text("· 0 generating")
     finally:
