@@ -205,19 +205,16 @@ def _attend_rows(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tenso
         keys, values = _stacked(keys, held), _stacked(values, held)
     queries = torch.cat([row_query for row_query, _ in prepared])
     mask = _rows_mask([valid for _, valid in prepared], held, keys)
-    if not any(client.wants_probabilities for client in clients):
-        output = _sdpa_attention(queries, keys, values, mask, scaling)
-        for client in clients:
-            client.receive(None)
-        return output
-    output, probabilities = _scored_attention(queries, keys, values, mask, scaling)
-    if rows.scores is not None:
-        rows.scores.add_(probabilities.sum(dim=(2, 3)))
-        for client in clients:
-            client.receive(None)
-        return output
+    if any(client.wants_probabilities for client in clients):
+        output, probabilities = _scored_attention(queries, keys, values, mask, scaling)
+        if rows.scores is not None:
+            rows.scores.add_(probabilities.sum(dim=(2, 3)))
+            probabilities = None  # every row's share is in its scores already
+    else:
+        output, probabilities = _sdpa_attention(queries, keys, values, mask, scaling), None
     for r, client in enumerate(clients):
-        client.receive(probabilities[r : r + 1, ..., : held[r]] if client.wants_probabilities else None)
+        wanted = probabilities is not None and client.wants_probabilities
+        client.receive(probabilities[r : r + 1, ..., : held[r]] if wanted else None)
     return output
 
 
