@@ -153,8 +153,11 @@ def test_stop_while_waiting_in_the_queue_ends_the_turn_before_it_reads_a_token(b
     waiting = open_app(browser, app_url)
     try:
         for page in busy:
-            configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
-            page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+            # Greedy, this story runs all 1024 tokens (measured): the busy replies outlast
+            # the waiting page's set-up however fast the machine (a 286-token sampled reply
+            # ended before it on a quiet one, and nothing was left to queue behind).
+            configure(page, max_new_tokens=1024)
+            page.fill("#chat-input textarea", "Write a long story about a dragon.")
             page.click("#chat-send")
         for page in busy:
             page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
