@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers.cache_utils import Cache
 
 from .config import ConfigError, GenerationConfig, check_field
+from .engine.cache import H2OCache
 from .inputs import InputError
 
 
@@ -99,7 +99,7 @@ class Generation:
     whoever reads them during the turn takes it too. ``reply`` receives each sampled
     token as ``tokens`` does."""
 
-    def __init__(self, cache: Cache, tokens: list[int], fed: int, sampling: Sampling | None, *,
+    def __init__(self, cache: H2OCache, tokens: list[int], fed: int, sampling: Sampling | None, *,
                  chunk: int, reply: list[int], end_ids: frozenset[int] = frozenset(),
                  never: torch.Tensor | None = None, stop: threading.Event | None = None,
                  lock: threading.RLock | None = None, observer: PassObserver | None = None) -> None:
@@ -154,6 +154,8 @@ class Generation:
         self.chunk_start = end
         if end < len(self.tokens):
             return
+        if not self.generated:  # the prompt is in: one token a pass from now on
+            self.cache.fit_for_decoding()
         if self.sampling is None or self.generated == self.sampling.max_new_tokens:
             self.end("length")
             return

@@ -4,7 +4,6 @@ doors get it; it knows nothing of either."""
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -86,14 +85,3 @@ class ModelProvider:
     def loading_seconds(self) -> float:
         """Seconds since loading began (how long a page has been waiting)."""
         return time.monotonic() - self._started
-
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-
-
-def return_freed_memory() -> None:
-    """Hand freed heap pages back to the system. glibc keeps what freed tensors occupied
-    in its per-thread arenas, so without this the server's memory only grows as tabs
-    and API conversations come and go (measured: tools/measure_sessions_memory.py)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

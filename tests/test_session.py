@@ -63,6 +63,24 @@ def test_long_paste_is_chunked_with_peak_bounded(smollm):
     assert_consistent(session)
 
 
+def test_between_turns_a_bounded_cache_holds_its_budget_and_one_slot(smollm):
+    """A prompt chunk needs room on top of the budget before eviction; decoding needs one
+    slot. Once each turn's prompt is in, the buffers give that room back, so an idle
+    conversation holds its budget and no more."""
+    model, tokenizer = smollm
+    text = BOOK_EXCERPT.read_text(encoding="utf-8")
+    session = ChatSession(model, tokenizer, cache=h2o(model, heavy=64, recent=64), prefill_chunk_size=256)
+    for start in (0, 4000):
+        paste = tokenizer.decode(tokenizer(text[start : start + 4000]).input_ids[:600])
+        peaks = record_slots_attended(session.cache)
+        assert "".join(session.send(paste + "\n\nSummarize.", temperature=0, max_new_tokens=8)).strip()
+        stats = session.stats().cache
+        assert max(peaks) > stats.budget + 200  # the chunks did need the room
+        assert stats.held == stats.budget
+        assert stats.kv_bytes * stats.held == stats.held_bytes * (stats.budget + 1)
+    assert_consistent(session)
+
+
 def test_stop_from_another_thread_keeps_history_and_cache_in_step(smollm):
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, cache=h2o(model))

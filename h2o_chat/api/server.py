@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from gradio.networking import setup_tunnel
 
 from h2o_chat.config import AppConfig, ServerConfig
-from h2o_chat.runtime import ModelProvider, return_freed_memory
+from h2o_chat.engine.memory import return_freed_memory
+from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.app import launch_options
 
 from .page_guards import page_middleware

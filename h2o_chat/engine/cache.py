@@ -417,6 +417,24 @@ class H2OCache(CacheStateMixin, Cache):
             self._stack_layers()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def fit_for_decoding(self) -> None:
+        """Give back the room prompt chunks needed, once a prompt is in: a bounded cache
+        takes a chunk on top of its budget before evicting, so its buffers grow to budget
+        plus a chunk (twice the budget after a long message), while decoding needs the
+        budget plus one token. Kept, that room doubled the memory of every idle
+        conversation and of every ``RowPool`` row. The next prompt grows the buffers again
+        (one copy of the held slots)."""
+        capacity = self.policy.capacity
+        if capacity is None:
+            return
+        groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
+        for group in groups.values():
+            layers = group.layers
+            # Held past the budget (eviction held over a prompt fed in passes): all stay.
+            size = max(capacity + layers[0].pinned_slots, *(layer.held for layer in layers)) + 1
+            if layers[0].size > size:
+                group.resize(size)
+
     def whole_group(self) -> SlotGroup | None:
         """The ``SlotGroup`` of every layer, where one holds them all (a bounded cache once
         every layer holds its first tokens), else None."""

@@ -8,7 +8,8 @@ from pathlib import Path
 import gradio as gr
 
 from h2o_chat.config import AppConfig, ServerConfig
-from h2o_chat.runtime import ModelProvider, return_freed_memory
+from h2o_chat.engine.memory import return_freed_memory
+from h2o_chat.runtime import ModelProvider
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
