@@ -7,7 +7,7 @@ import torch
 
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.engine.pool import RowPool
-from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_rows
+from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_pieces, forward_rows
 
 from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward, h2o,
                       together)
@@ -201,6 +201,28 @@ def test_a_pool_whose_members_all_left_on_their_own_takes_new_rows(tiny_model):
     assert tokens == [expected, expected]
 
 
+def test_prompt_pieces_fed_in_one_pass_keep_what_each_keeps_alone(tiny_model):
+    """The four unlike rows read their prompts (40, 13, 27 and 9 tokens: the shorter ones
+    padded at the front) and then pieces of other lengths, each time in one pass: each
+    row's logits and kept slots are those of its pieces fed alone, and it decodes alike."""
+    generator = torch.Generator().manual_seed(3)
+    pieces = [prompts(), [torch.randint(0, 128, (1, n), generator=generator) for n in (7, 12, 3, 10)]]
+    alone = [new_cache(tiny_model, row) for row in ROWS]
+    together = [new_cache(tiny_model, row) for row in ROWS]
+    with torch.inference_mode():
+        for step in pieces:
+            expected = [forward_one(tiny_model, cache, piece) for cache, piece in zip(alone, step)]
+            logits = forward_pieces(tiny_model, together, [piece[0].tolist() for piece in step])
+            for row in range(len(ROWS)):
+                assert torch.allclose(logits[row], expected[row], atol=1e-5)
+                assert kept(together[row]) == kept(alone[row])
+        for row in range(len(ROWS)):
+            token = torch.tensor([[int(expected[row].argmax())]])
+            assert torch.equal(forward_one(tiny_model, together[row], token).argmax(),
+                               forward_one(tiny_model, alone[row], token).argmax())
+            assert kept(together[row]) == kept(alone[row])
+
+
 @pytest.mark.parametrize("row", [0, 2, 3])
 def test_a_chunk_fed_in_pieces_with_eviction_held_keeps_what_one_pass_keeps(tiny_model, row):
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
@@ -240,6 +262,7 @@ def test_sessions_in_threads_batch_and_reply_as_alone(smollm):
 
     together(*(lambda i=i: run(i) for i in range(4)))
     assert scheduler.batched_rows > 0  # decode steps really ran as batches
+    assert scheduler.batched_pieces > 0  # and prompts were read together
     for (session, reply), (alone_session, alone_reply) in zip(batched, alone):
         assert reply == alone_reply
         assert session.tokens == alone_session.tokens

@@ -69,7 +69,10 @@ class Rows:
     row's already side by side, ``(rows, kv_heads, max(held), head_dim)`` (a ``RowPool``'s,
     read where they lie; past a row's own held slots anything finite: it is masked out).
     ``batched``: the rows are attended in one call, padded to the longest and the padding
-    masked out; else each row runs its own call, exactly as it would alone. ``scores``:
+    masked out; else each row runs its own call, exactly as it would alone. ``fed``: the
+    tokens each row feeds in this call, the last ``fed[r]`` of its batch row (the rest
+    padding, attended by nobody); None: every row feeds the whole call's. Rows feeding
+    several tokens run their own calls. ``scores``:
     where given, every row's scores side by side, ``(rows, kv_heads, max(held))``, where
     the rows' policies simply add the mass each slot receives: it is added there for all
     rows at once (padding receives exactly zero) and each row then receives None.
@@ -81,6 +84,7 @@ class Rows:
     values: list[torch.Tensor] | torch.Tensor
     batched: bool = True
     scores: torch.Tensor | None = None
+    fed: list[int] | None = None
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -186,10 +190,20 @@ def h2o_attention(
     if isinstance(layer, Rows):
         if layer.batched:
             return _attend_rows(layer, query, scaling), None
-        outputs = [_attend(client, query[r : r + 1], keys, values, None, scaling)[0]
-                   for r, (client, keys, values) in enumerate(zip(layer.clients, layer.keys, layer.values))]
-        return torch.cat(outputs), None
+        return _attend_each(layer, query, scaling), None
     return _attend(layer, query, key, value, attention_mask, scaling)
+
+
+def _attend_each(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Each row's attention in a call of its own, as alone: over its real queries (the
+    last ``rows.fed[r]`` of its batch row) and its own slots. Padding's output is zero."""
+    length = query.shape[2]
+    outputs = []
+    for r, (client, keys, values) in enumerate(zip(rows.clients, rows.keys, rows.values)):
+        padding = 0 if rows.fed is None else length - rows.fed[r]
+        output = _attend(client, query[r : r + 1, :, padding:], keys, values, None, scaling)[0]
+        outputs.append(F.pad(output, (0, 0, 0, 0, padding, 0)))  # (1, length, q_heads, head_dim)
+    return torch.cat(outputs)
 
 
 def _attend_rows(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Several conversations' caches as the rows of one batch, for one decode step.
+"""Several conversations' caches as the rows of one batch, for one forward pass: a decode
+step (a token each) or pieces of several prompts (padded at the front to the longest).
 
 Each conversation keeps its own ``H2OCache`` (its scores, evictions, pins, positions,
 policy, rolling and budget), so nothing is copied in or out of a batch: row r's new
@@ -6,7 +7,7 @@ token goes into ``caches[r]`` as it would alone, and the attention function serv
 row from that row's own layer (``attention.Rows``). What runs batched is the rest of the
 model (embeddings, projections, MLPs, norms, the output head), which is where a small
 batch gains: their weights are read once per step for every row. The caller gives each
-row its position (``position_ids``), since the caches have seen different lengths.
+row its positions (``position_ids``), since the caches have seen different lengths.
 
 Rows that are a ``RowPool``'s take their tokens in one write per buffer for all rows
 (``append_rows``), the same slots each would have written alone, and are read and scored
@@ -39,9 +40,10 @@ class _InPool:
 class _RowsLayer(CacheLayerMixin):
     """Layer ``index`` of every row's cache."""
 
-    def __init__(self, caches: list[Cache], index: int, batched: bool, in_pool: _InPool | None) -> None:
+    def __init__(self, caches: list[Cache], index: int, batched: bool, in_pool: _InPool | None,
+                 fed: list[int] | None) -> None:
         super().__init__()
-        self.caches, self.index, self.batched, self.in_pool = caches, index, batched, in_pool
+        self.caches, self.index, self.batched, self.in_pool, self.fed = caches, index, batched, in_pool, fed
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -59,14 +61,17 @@ class _RowsLayer(CacheLayerMixin):
         """Each row's cache takes its new token as it would alone; attention reads the
         rows where they lie if they are still the pool's rows and read as stored."""
         clients, keys, values = [], [], []
+        length = key_states.shape[2]
         for row, cache in enumerate(self.caches):
-            row_keys, row_values = cache.update(key_states[row : row + 1], value_states[row : row + 1], self.index)
+            padding = 0 if self.fed is None else length - self.fed[row]
+            row_keys, row_values = cache.update(key_states[row : row + 1, :, padding:],
+                                                value_states[row : row + 1, :, padding:], self.index)
             clients.append(awaiting_attention())
             keys.append(row_keys)
             values.append(row_values)
         held = [row_keys.shape[2] for row_keys in keys]
         if self.in_pool is None:
-            return Rows(clients, held, keys, values, self.batched)
+            return Rows(clients, held, keys, values, self.batched, fed=self.fed)
         self.in_pool.intact = False
         pooled = self.in_pool.buffers(self.index)
         if all(_lies_in(k, pooled["keys"][r]) and _lies_in(v, pooled["values"][r])
@@ -110,12 +115,17 @@ def _lies_in(held: torch.Tensor, row: torch.Tensor) -> bool:
 
 
 class RowsCache(Cache):
-    """``caches`` as the rows of one batch of single-token decode steps; ``batched``:
-    their attention runs as one call over padded rows (else one call per row); ``pool``:
-    one whose rows ``0..n-1`` are ``caches``, in order."""
+    """``caches`` as the rows of one batch; ``batched``: their attention runs as one call
+    over padded rows (else one call per row); ``pool``: one whose rows ``0..n-1`` are
+    ``caches``, in order. Each row feeds one token (a decode step), unless ``fed`` says
+    how many each feeds: the last ``fed[r]`` of its batch row, the rest padding (pieces
+    of prompts, whose attention runs row by row)."""
 
-    def __init__(self, caches: list[Cache], batched: bool = True, pool: RowPool | None = None) -> None:
+    def __init__(self, caches: list[Cache], batched: bool = True, pool: RowPool | None = None,
+                 fed: list[int] | None = None) -> None:
         if len({len(cache.layers) for cache in caches}) != 1:
             raise ValueError("the caches of one batch must belong to one model")
+        if fed is not None and (batched or pool is not None):
+            raise ValueError("rows feeding several tokens are attended row by row, in their own buffers")
         in_pool = _InPool(pool, len(caches)) if pool is not None and batched else None
-        super().__init__(layers=[_RowsLayer(caches, i, batched, in_pool) for i in range(len(caches[0].layers))])
+        super().__init__(layers=[_RowsLayer(caches, i, batched, in_pool, fed) for i in range(len(caches[0].layers))])
