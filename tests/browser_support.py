@@ -187,11 +187,26 @@ def show_settings(page: Page, shown: bool = True) -> None:
         header.click()
 
 
+def _wanted(numbers: dict[str, float]) -> dict[str, float]:
+    """``configure``'s settings by element id (``max_new_tokens`` -> ``max-new-tokens``),
+    greedy unless ``temperature`` is given."""
+    return {name.replace("_", "-"): value for name, value in {"temperature": 0, **numbers}.items()}
+
+
+def settings_lost(page: Page, **numbers: float) -> dict[str, str]:
+    """Which of the settings ``configure`` was given the page no longer shows, with what
+    it shows instead, by element id (empty: all as typed). Asserted after a reply that
+    did not follow them, it tells whether the page went back to its defaults or only the
+    event it sent did."""
+    shown = {elem_id: _number_control(page, elem_id)[1].input_value() for elem_id in _wanted(numbers)}
+    return {elem_id: shown[elem_id] for elem_id, value in _wanted(numbers).items() if shown[elem_id] != f"{value:g}"}
+
+
 def configure(page: Page, **numbers: float) -> None:
     """Open the settings and set number boxes by element id (``max_new_tokens`` ->
     ``#max-new-tokens``). Greedy decoding unless ``temperature`` is given."""
     show_settings(page)
-    wanted = {name.replace("_", "-"): value for name, value in {"temperature": 0, **numbers}.items()}
+    wanted = _wanted(numbers)
     for elem_id, value in wanted.items():
         set_number(page, elem_id, value)
     # A control typed into while the panel is still being drawn can go back to its first
@@ -199,8 +214,7 @@ def configure(page: Page, **numbers: float) -> None:
     # first slider at 0.7 again once the others were set, and the turn sampled at 0.7).
     # So all are read again once every one was typed, until one pass finds them as typed.
     for _ in range(5):
-        lost = [elem_id for elem_id, value in wanted.items()
-                if _number_control(page, elem_id)[1].input_value() != f"{value:g}"]
+        lost = settings_lost(page, **numbers)
         if not lost:
             return
         for elem_id in lost:
