@@ -8,9 +8,7 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
-from .browser_support import (
-    DONE_TIMEOUT_MS, configure, messages, open_tab, running_app, set_number, show_settings,
-)
+from .browser_support import DONE_TIMEOUT_MS, messages, open_tab, running_app, set_number
 
 LOADING = "Loading the model"
 WAITING = "(waiting for the model to load…)"
@@ -47,8 +45,13 @@ def test_messages_sent_while_the_model_loads_show_at_once(browser, tmp_path):
     # Each try starts the app on an empty conversion cache, so the model's real first-start
     # conversion runs. A busy machine may finish it before the page has sent in all three
     # views; such a try proves nothing, and the next one starts afresh.
+    # Short greedy replies by the config file, not typed into the page: on a loaded
+    # machine typing them took long enough for the model to be up before the sends.
+    config = tmp_path / "short-replies.yaml"
+    config.write_text("generation:\n  temperature: 0\n  max_new_tokens: 8\n")
     for attempt in range(ATTEMPTS):
-        with running_app(env={"H2O_CHAT_CACHE": str(tmp_path / f"converted-models-{attempt}")}) as url:
+        with running_app("--config", str(config),
+                         env={"H2O_CHAT_CACHE": str(tmp_path / f"converted-models-{attempt}")}) as url:
             if _sent_while_loading(browser, url):
                 return
     pytest.fail(f"the model loaded before the page had sent in every view, {ATTEMPTS} times")
@@ -62,8 +65,6 @@ def _sent_while_loading(browser, url: str) -> bool:
     try:
         page.goto(url)
         expect(page.locator("#model-status")).to_contain_text(LOADING, timeout=60_000)
-        configure(page, max_new_tokens=8)  # short replies once it is up
-        show_settings(page, False)
         waits = [_watch_text(page, f"#{chat} [data-testid=bot]", WAITING)
                  for chat in ("chatbot", "compare-bounded-chat", "compare-full-chat")]
         waits.append(_watch_text(page, "[data-testid=toast-body]", "Waiting for the model to load"))
