@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import awaiting_attention, hand_over
 from .budget import ByteBudget
+from .memory import return_freed_memory
 from .policies import EvictionPolicy
 from .quant import KVStorage
 from .rope import RopeShifter
@@ -434,6 +435,7 @@ class H2OCache(CacheStateMixin, Cache):
             size = max(capacity + layers[0].pinned_slots, *(layer.held for layer in layers)) + 1
             if layers[0].size > size:
                 group.resize(size)
+                return_freed_memory()  # else glibc keeps the larger buffers just freed
 
     def whole_group(self) -> SlotGroup | None:
         """The ``SlotGroup`` of every layer, where one holds them all (a bounded cache once

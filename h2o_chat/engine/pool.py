@@ -73,9 +73,10 @@ class RowPool:
             rows[id(cache)] = len(self._members)
             self._members.append(weakref.ref(cache))
             self._point(rows[id(cache)])
-        if joining:
-            # Their own buffers are free now; glibc would keep them (measured: 32 caches
-            # joining left some 800 MB of freed buffers in the process).
+            # Its own buffers are free now. glibc would keep them (32 caches joining left
+            # the pool's whole size of freed buffers in the process); handed back one by
+            # one, the join never holds the pool and all of them at once (a trim costs
+            # well under a millisecond).
             return_freed_memory()
         return [rows[id(cache)] for cache in caches]
 
