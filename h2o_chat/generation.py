@@ -66,9 +66,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` ``(vocab,)`` with every token zeroed but the smallest set of the most likely
     whose mass reaches ``top_p`` (always at least one). Sorting the whole vocabulary took
     3.5 ms a sampled token on the development machine: at 32 rows, over half as long as
-    the decode step's model pass (6 ms a row); the nucleus nearly always lies among the few hundred most
-    likely tokens, so those are ranked first (0.2 ms) and the whole vocabulary only where
-    they do not reach ``top_p``."""
+    the decode step's model pass (6 ms a row); the nucleus nearly always lies among the
+    few hundred most likely tokens, so those are ranked first (0.2 ms) and the whole
+    vocabulary only where they do not reach ``top_p``."""
     ranked, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
     before = ranked.cumsum(-1) - ranked  # the mass of the more likely tokens
     if before[-1] < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them

@@ -198,8 +198,9 @@ def settings_lost(page: Page, **numbers: float) -> dict[str, str]:
     it shows instead, by element id (empty: all as typed). Asserted after a reply that
     did not follow them, it tells whether the page went back to its defaults or only the
     event it sent did."""
-    shown = {elem_id: _number_control(page, elem_id)[1].input_value() for elem_id in _wanted(numbers)}
-    return {elem_id: shown[elem_id] for elem_id, value in _wanted(numbers).items() if shown[elem_id] != f"{value:g}"}
+    shown = {elem_id: (_number_control(page, elem_id)[1].input_value(), f"{value:g}")
+             for elem_id, value in _wanted(numbers).items()}
+    return {elem_id: value for elem_id, (value, typed) in shown.items() if value != typed}
 
 
 def configure(page: Page, **numbers: float) -> None:

@@ -428,8 +428,7 @@ class H2OCache(CacheStateMixin, Cache):
         capacity = self.policy.capacity
         if capacity is None:
             return
-        groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
-        for group in groups.values():
+        for group in self._groups():
             layers = group.layers
             # Held past the budget (eviction held over a prompt fed in passes): all stay.
             size = max(capacity + layers[0].pinned_slots, *(layer.held for layer in layers)) + 1
@@ -470,9 +469,12 @@ class H2OCache(CacheStateMixin, Cache):
                 SlotGroup.stack(run)
             start = end
 
+    def _groups(self) -> list[SlotGroup]:
+        """The layers' slot groups, each once."""
+        return list({id(layer.group): layer.group for layer in self.layers if layer.is_initialized}.values())
+
     def _evict_all(self) -> None:
-        groups = {id(layer.group): layer.group for layer in self.layers if layer.is_initialized}
-        for group in groups.values():
+        for group in self._groups():
             group.evict()
 
     def hold_eviction(self, hold: bool) -> None:
