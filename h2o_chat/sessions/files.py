@@ -86,8 +86,11 @@ def model_identity(model) -> dict[str, str]:
     """
     digest = hashlib.sha256()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 1024)].contiguous()
+        # Indexed in logical order, so the layout a loader chose does not change the
+        # fingerprint, and a column-major weight is not copied whole to be sampled.
+        step = max(1, tensor.numel() // 1024)
+        positions = torch.arange(0, tensor.numel(), step, device=tensor.device)
+        sample = tensor.detach()[torch.unravel_index(positions, tensor.shape)].reshape(-1)
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
     name = model.config.name_or_path
