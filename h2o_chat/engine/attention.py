@@ -70,9 +70,9 @@ class Rows:
     read where they lie; past a row's own held slots anything finite: it is masked out).
     ``batched``: the rows are attended in one call, padded to the longest and the padding
     masked out; else each row runs its own call, exactly as it would alone. ``fed``: the
-    tokens each row feeds in this call, the last ``fed[r]`` of its batch row (the rest
-    padding, attended by nobody); None: every row feeds the whole call's. Rows feeding
-    several tokens run their own calls. ``scores``:
+    tokens each row feeds in this call, packed one row after another in the call's one
+    batch row (pieces of prompts: no padding to compute); None: batch row r is row r's.
+    Rows feeding several tokens run their own calls. ``scores``:
     where given, every row's scores side by side, ``(rows, kv_heads, max(held))``, where
     the rows' policies simply add the mass each slot receives: it is added there for all
     rows at once (padding receives exactly zero) and each row then receives None.
@@ -195,15 +195,15 @@ def h2o_attention(
 
 
 def _attend_each(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Each row's attention in a call of its own, as alone: over its real queries (the
-    last ``rows.fed[r]`` of its batch row) and its own slots. Padding's output is zero."""
-    length = query.shape[2]
-    outputs = []
-    for r, (client, keys, values) in enumerate(zip(rows.clients, rows.keys, rows.values)):
-        padding = 0 if rows.fed is None else length - rows.fed[r]
-        output = _attend(client, query[r : r + 1, :, padding:], keys, values, None, scaling)[0]
-        outputs.append(F.pad(output, (0, 0, 0, 0, padding, 0)))  # (1, length, q_heads, head_dim)
-    return torch.cat(outputs)
+    """Each row's attention in a call of its own, as alone, over its own slots and its own
+    queries: batch row r, or its stretch of the one batch row where ``rows.fed`` packs them."""
+    if rows.fed is None:
+        queries, dim = query.split(1), 0
+    else:
+        queries, dim = query.split(rows.fed, dim=2), 1
+    return torch.cat([_attend(client, row_query, keys, values, None, scaling)[0]
+                      for client, row_query, keys, values in zip(rows.clients, queries, rows.keys, rows.values)],
+                     dim=dim)
 
 
 def _attend_rows(rows: Rows, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Several conversations' caches as the rows of one batch, for one forward pass: a decode
-step (a token each) or pieces of several prompts (padded at the front to the longest).
+step (a token each) or pieces of several prompts (packed one after another in one batch
+row).
 
 Each conversation keeps its own ``H2OCache`` (its scores, evictions, pins, positions,
 policy, rolling and budget), so nothing is copied in or out of a batch: row r's new
@@ -61,11 +62,8 @@ class _RowsLayer(CacheLayerMixin):
         """Each row's cache takes its new token as it would alone; attention reads the
         rows where they lie if they are still the pool's rows and read as stored."""
         clients, keys, values = [], [], []
-        length = key_states.shape[2]
-        for row, cache in enumerate(self.caches):
-            padding = 0 if self.fed is None else length - self.fed[row]
-            row_keys, row_values = cache.update(key_states[row : row + 1, :, padding:],
-                                                value_states[row : row + 1, :, padding:], self.index)
+        for cache, new_keys, new_values in zip(self.caches, self._by_row(key_states), self._by_row(value_states)):
+            row_keys, row_values = cache.update(new_keys, new_values, self.index)
             clients.append(awaiting_attention())
             keys.append(row_keys)
             values.append(row_values)
@@ -78,6 +76,10 @@ class _RowsLayer(CacheLayerMixin):
                for r, (k, v) in enumerate(zip(keys, values))):
             keys, values = pooled["keys"][:, :, : max(held)], pooled["values"][:, :, : max(held)]
         return Rows(clients, held, keys, values, self.batched)
+
+    def _by_row(self, states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each row's new ``(1, kv_heads, tokens, head_dim)`` of the batch's ``states``."""
+        return states.split(1) if self.fed is None else states.split(self.fed, dim=2)
 
     def _pooled_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Rows | None:
         """Where the rows are the pool's (each layer's buffers a row of the pool's), every
@@ -117,9 +119,9 @@ def _lies_in(held: torch.Tensor, row: torch.Tensor) -> bool:
 class RowsCache(Cache):
     """``caches`` as the rows of one batch; ``batched``: their attention runs as one call
     over padded rows (else one call per row); ``pool``: one whose rows ``0..n-1`` are
-    ``caches``, in order. Each row feeds one token (a decode step), unless ``fed`` says
-    how many each feeds: the last ``fed[r]`` of its batch row, the rest padding (pieces
-    of prompts, whose attention runs row by row)."""
+    ``caches``, in order. Each row feeds one token (a decode step, batch row r), unless
+    ``fed`` says how many each feeds: then the rows' tokens lie one after another in the
+    one batch row (pieces of prompts, whose attention runs row by row)."""
 
     def __init__(self, caches: list[Cache], batched: bool = True, pool: RowPool | None = None,
                  fed: list[int] | None = None) -> None:
