@@ -93,6 +93,17 @@ def test_copy_has_the_gguf_weights(loads):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_a_loaded_model_keeps_none_of_its_file_mapped(loads):
+    """Weights copied into a decoding layout must not leave the file they came from mapped
+    beside them (its pages would stay resident: the weights twice over)."""
+    model, _ = loads["second"]
+    folder = str(Path(model.name_or_path))
+    assert any(p.is_file() for p in Path(folder).glob("*.safetensors"))
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if folder in line]
+    assert mapped == []
+
+
 def test_fingerprint_changes_with_the_file(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"a" * 3_000_000)
