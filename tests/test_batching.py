@@ -208,6 +208,10 @@ def test_prompt_pieces_fed_in_one_pass_keep_what_each_keeps_alone(request, model
     its pieces fed alone, and it decodes alike; on the tiny model and on the real one."""
     model = request.getfixturevalue(model_fixture)
     model = model[0] if isinstance(model, tuple) else model
+    # The real model's logits reach about 30, and a packed pass rounds its sums otherwise
+    # than each row's own pass (up to 8e-5 apart on the development machine); a token at
+    # a wrong position moves them by whole units.
+    tolerance = 1e-5 if model_fixture == "tiny_model" else 1e-3
     generator = torch.Generator().manual_seed(3)
     pieces = [prompts(), [torch.randint(0, 128, (1, n), generator=generator) for n in (7, 12, 3, 10)]]
     alone = [new_cache(model, row) for row in ROWS]
@@ -217,7 +221,7 @@ def test_prompt_pieces_fed_in_one_pass_keep_what_each_keeps_alone(request, model
             expected = [forward_one(model, cache, piece) for cache, piece in zip(alone, step)]
             logits = forward_pieces(model, together, [piece[0].tolist() for piece in step])
             for row in range(len(ROWS)):
-                assert torch.allclose(logits[row], expected[row], atol=1e-4)
+                assert torch.allclose(logits[row], expected[row], atol=tolerance)
                 assert kept(together[row]) == kept(alone[row])
         for row in range(len(ROWS)):
             token = torch.tensor([[int(expected[row].argmax())]])
