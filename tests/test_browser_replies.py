@@ -13,7 +13,7 @@ from h2o_chat.config import load_config
 from h2o_chat.ui.settings import new_cache
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, messages, open_tab, send, set_number, start_and_wait,
+    DONE_TIMEOUT_MS, configure, messages, open_tab, send, set_number, settings_lost, start_and_wait,
 )
 
 LONG = "Write a long story about a dragon."  # greedy, far more than 24 tokens to say
@@ -83,9 +83,16 @@ def test_a_stopped_reply_is_marked_and_continues(page):
 
 
 def test_compare_marks_both_sides_and_continue_extends_both_in_the_same_turn(page):
-    open_tab(page, "Compare")
-    configure(page, max_new_tokens=12)
-    send(page, "#compare-input", "#compare-send", LONG)
+    for _ in range(3):
+        open_tab(page, "Compare")
+        configure(page, max_new_tokens=12)
+        send(page, "#compare-input", "#compare-send", LONG)
+        if not settings_lost(page, max_new_tokens=12):
+            break
+        # The page itself shows a typed setting back at its default after configure had
+        # read it as typed (the settings kind, docs/testing.md): this reply proves
+        # nothing about Compare, so the test starts again on a fresh page.
+        page.reload()
     chats = ["compare-bounded-chat", "compare-full-chat"]
     first = {chat: messages(page, chat, "bot") for chat in chats}
     for chat in chats:
