@@ -15,69 +15,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from .config import ConfigError, GenerationConfig, check_field
 from .engine.cache import H2OCache
-from .inputs import InputError
-
-
-@dataclass
-class Sampling:
-    max_new_tokens: int = GenerationConfig.max_new_tokens
-    temperature: float = GenerationConfig.temperature  # 0 = greedy
-    top_p: float = GenerationConfig.top_p
-    seed: int | None = None
-    # The end-of-turn token is not sampled before this many tokens (benchmarks ask for
-    # replies of an exact length; max_new_tokens makes the end never come).
-    min_new_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        # The same rules as the config file's generation section, so messages match; a
-        # caller's values are input from outside, refused as such.
-        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
-            try:
-                setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
-            except ConfigError as err:
-                raise InputError(str(err), name) from None
-        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise InputError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
-                             f"to max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
-
-
-# The most likely tokens looked at first for a nucleus (see ``nucleus``).
-NUCLEUS_CANDIDATES = 256
-
-
-def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Next token from the last position's logits ``(vocab,)``: greedy or nucleus sampling."""
-    if sampling.temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        probs = nucleus(probs, sampling.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` ``(vocab,)`` with every token zeroed but the smallest set of the most likely
-    whose mass reaches ``top_p`` (always at least one). Sorting the whole vocabulary took
-    3.5 ms a sampled token on the development machine: at 32 rows, over half as long as
-    the decode step's model pass (6 ms a row); the nucleus nearly always lies among the
-    few hundred most likely tokens, so those are ranked first (0.2 ms) and the whole
-    vocabulary only where they do not reach ``top_p``."""
-    ranked, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
-    before = ranked.cumsum(-1) - ranked  # the mass of the more likely tokens
-    if before[-1] < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them
-        ranked, order = probs.sort(descending=True)
-        before = ranked.cumsum(-1) - ranked
-    kept = order[before < top_p]
-    chosen = torch.zeros_like(probs)
-    chosen[kept] = probs[kept]
-    return chosen
+from .sampling import Draw, Sampling
 
 
 # Why a generation ended: "end" (the model ended its turn), "length" (it reached
@@ -143,26 +86,27 @@ class Generation:
     def stopping(self) -> bool:
         return self.stop.is_set() or self._cancelled
 
-    def fed_to(self, end: int, logits: torch.Tensor) -> None:
-        """The runner fed ``tokens[fed:end]``; ``logits`` ``(vocab,)`` are its last's. At a
-        chunk's end the observer sees it; after the last unfed token, the next is sampled."""
+    def fed_to(self, end: int, logits: torch.Tensor, row: int = 0) -> Draw | None:
+        """The runner fed ``tokens[fed:end]``; row ``row`` of ``logits`` ``(rows, vocab)`` is
+        its last's. At a chunk's end the observer sees it; after the last unfed token the
+        runner must draw the next (returned: what to draw; ``take`` it), else None."""
         self.fed = end
         if end < self.chunk_end:
-            return
+            return None
         if self.observer is not None:
-            self.observer(self.tokens, self.chunk_start, end, logits)
+            self.observer(self.tokens, self.chunk_start, end, logits[row])
         self.chunk_start = end
         if end < len(self.tokens):
-            return
+            return None
         if not self.generated:  # the prompt is in: one token a pass from now on
             self.cache.fit_for_decoding()
         if self.sampling is None or self.generated == self.sampling.max_new_tokens:
             self.end("length")
-            return
-        never = self._end_tensor if self.generated < self.sampling.min_new_tokens else self.never
-        if never is not None and never.numel():
-            logits = logits.index_fill(0, never.to(logits.device), float("-inf"))
-        token = sample_token(logits.cpu(), self.sampling, self._generator)
+            return None
+        return Draw(self.sampling, self._generator, self._banned())
+
+    def take(self, token: int) -> None:
+        """The token the runner drew for the draw ``fed_to`` asked for."""
         self.tokens.append(token)
         self.reply.append(token)
         self.generated += 1
@@ -171,6 +115,13 @@ class Generation:
             self.end("end")
         elif self.generated == self.sampling.max_new_tokens:
             self.end("length")
+
+    def _banned(self) -> torch.Tensor | None:
+        """Token ids the next draw must skip: ``never``, and the end-of-turn ids before
+        ``min_new_tokens``."""
+        if self.generated < self.sampling.min_new_tokens:
+            return self._end_tensor if self.never is None else torch.cat([self._end_tensor, self.never])
+        return self.never
 
     def end(self, reason: FinishReason, error: BaseException | None = None) -> None:
         on_end, self.on_end = self.on_end, None

@@ -7,8 +7,8 @@ A caller (a session) hands the worker a ``Generation`` (see ``generation``) and 
 token ids it samples; the worker feeds each sampled token back in its next step, so no
 token waits for its caller. Conversations join and leave a batch at any step, since a
 batch is simply the generations running when a step starts. Each conversation's cache
-stays its own object, with its own scores, evictions, pins, positions and policy (see
-``engine.rows``).
+stays its own object, with its own scores, evictions, pins, positions and policy; during
+a turn it lies in a row of the decode step's pools (see ``engine.step``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from contextlib import ExitStack
 import torch
 from transformers.cache_utils import Cache
 
-from .engine.pool import RowPool
-from .engine.rows import RowsCache
+from .engine.pieces import PiecesCache
+from .engine.step import DecodeStep
 from .generation import Generation
+from .sampling import draw_tokens
 
 # A prompt is fed at most this many tokens per step, so a conversation that arrives
 # while a long paste is being read waits for one piece, not a whole chunk. On the 2-core
@@ -59,9 +60,11 @@ class TakeTurns:
                     end = generation.chunk_end
                     ids = torch.tensor([generation.tokens[generation.fed : end]], device=self.model.device)
                     try:
-                        generation.fed_to(end, forward_one(self.model, generation.cache, ids))
+                        logits = forward_one(self.model, generation.cache, ids)[None]
                     except BaseException as err:  # the caller puts its cache back in step
                         generation.end("failed", err)
+                    else:
+                        settle_pass([generation], [end], logits)
                 yield from generation.ready()
         finally:
             if not generation.done.is_set():  # closed early
@@ -76,10 +79,11 @@ class BatchScheduler:
     for others arriving with it, so turns started together run together from their first
     piece (batched rows round differently than one row alone). The rows already running
     go on meanwhile. Zero by default: tests use it to make batches reproducible.
-    ``pool`` False: the rows' caches never join a ``RowPool`` (the benchmarks' comparison)."""
+    ``step``: the decode step to run (default: one with CUDA graphs where the model is on
+    CUDA, see ``engine.step``)."""
 
     def __init__(self, model, gather_s: float = 0.0, max_batch: int = 64,
-                 prefill_piece: int = PREFILL_PIECE, pool: bool = True) -> None:
+                 prefill_piece: int = PREFILL_PIECE, step: DecodeStep | None = None) -> None:
         # Weak: the scheduler is kept per model in a weak dictionary, which a strong
         # reference back would keep alive for ever.
         self._model = weakref.ref(model)
@@ -89,9 +93,9 @@ class BatchScheduler:
         self._running: list[Generation] = []
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
-        # The bounded caches of the rows decoding, side by side (``engine.pool``): each
-        # leaves as its generation ends, so between turns a cache owns its memory.
-        self._pool = RowPool() if pool else None
+        # Holds the caches of the rows decoding as rows of its pools: each leaves as its
+        # generation ends, so between turns a cache owns its memory.
+        self._step = step or DecodeStep()
         self.steps = 0  # forward steps run, for stats
         self.batched_rows = 0  # decode rows run in batches of more than one
         self.batched_pieces = 0  # prompt pieces fed in passes of more than one
@@ -174,7 +178,7 @@ class BatchScheduler:
                         prompt.cache.hold_eviction(True)
                 pieces = [prompt.tokens[prompt.fed : end] for prompt, end in zip(prompts, ends)]
                 if len(prompts) == 1:
-                    logits = [forward_one(model, prompts[0].cache, torch.tensor(pieces, device=model.device))]
+                    logits = forward_one(model, prompts[0].cache, torch.tensor(pieces, device=model.device))[None]
                 else:
                     logits = forward_pieces(model, [prompt.cache for prompt in prompts], pieces)
                     self.batched_pieces += len(prompts)
@@ -185,36 +189,31 @@ class BatchScheduler:
                 for prompt in prompts:
                     prompt.end("failed", err)
                 return
-            for prompt, end, prompt_logits in zip(prompts, ends, logits, strict=True):
-                try:
-                    prompt.fed_to(end, prompt_logits)
-                except BaseException as err:
-                    prompt.end("failed", err)
+            settle_pass(prompts, ends, logits)
 
     def _decode(self, model, rows: list[Generation]) -> None:
-        """One pass for the next token of every row, then each row samples its next."""
+        """One pass for the next token of every row, then every row's next token drawn at
+        once. Rows whose cache cannot be a row of the decode step decode alone."""
         with ExitStack() as held:
             for row in rows:
                 held.enter_context(row.lock)
-            ids = torch.tensor([[row.tokens[row.fed]] for row in rows], device=model.device)
-            try:
-                if len(rows) == 1:
-                    logits = [forward_one(model, rows[0].cache, ids)]
-                else:
-                    for row in rows:  # its cache may join the pool now
-                        if self._pool is not None and row.on_end is None:
-                            row.on_end = functools.partial(self._pool.release, row.cache)
-                    logits = forward_rows(model, [row.cache for row in rows], ids, pool=self._pool)
-                    self.batched_rows += len(rows)
-            except BaseException as err:  # every row's cache is for its caller to put back
-                for row in rows:
-                    row.end("failed", err)
-                return
-            for row, row_logits in zip(rows, logits, strict=True):
+            stepped, alone = self._step.partition([row.cache for row in rows])
+            stepped, alone = [rows[i] for i in stepped], [rows[i] for i in alone]
+            for row in stepped:  # its cache joins the step's pools now, until its turn ends
+                if row.on_end is None:
+                    row.on_end = functools.partial(self._step.release, row.cache)
+            passes = [(stepped, self._step)] if stepped else []
+            passes += [([row], _alone) for row in alone]
+            for generations, step in passes:
                 try:
-                    row.fed_to(row.fed + 1, row_logits)
-                except BaseException as err:
-                    row.end("failed", err)
+                    logits = step(model, [g.cache for g in generations], [g.tokens[g.fed] for g in generations])
+                except BaseException as err:  # every row's cache is for its caller to put back
+                    for generation in generations:
+                        generation.end("failed", err)
+                    continue
+                if len(generations) > 1:
+                    self.batched_rows += len(generations)
+                settle_pass(generations, [g.fed + 1 for g in generations], logits)
 
 
 def _work(scheduler_ref: weakref.ref) -> None:
@@ -244,24 +243,38 @@ def forward_one(model, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def forward_rows(model, caches: list[Cache], ids: torch.Tensor, batched_attention: bool = True,
-                 pool: RowPool | None = None) -> list[torch.Tensor]:
-    """One decode step for several conversations at once: ``ids`` ``(rows, 1)``, row r
-    fed to ``caches[r]`` at that cache's own next position. The logits of each row.
-    ``batched_attention`` False runs attention row by row (the benchmarks' comparison).
-    ``pool``: where the caches can be its rows, they join it (``RowPool.rows_of``) and
-    attention reads them there; they stay members until ``pool.release``."""
-    rows = pool.rows_of(caches) if pool is not None and batched_attention else None
-    order = list(range(len(caches))) if rows is None else sorted(range(len(caches)), key=rows.__getitem__)
-    caches, ids = [caches[i] for i in order], ids[order]
-    batch = RowsCache(caches, batched_attention, None if rows is None else pool)
-    positions = torch.tensor([[cache.get_seq_length()] for cache in caches], device=ids.device)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=batch, use_cache=True,
-                logits_to_keep=1)
-    logits = [None] * len(caches)
-    for row, index in enumerate(order):
-        logits[index] = out.logits[row, -1]
-    return logits
+def _alone(model, caches: list[Cache], tokens: list[int]) -> torch.Tensor:
+    """A decode step of one cache on its own: its logits as ``(1, vocab)``."""
+    return forward_one(model, caches[0], torch.tensor([tokens], device=model.device))[None]
+
+
+def settle_pass(generations: list[Generation], ends: list[int], logits: torch.Tensor) -> None:
+    """After a pass that fed ``generations[i]`` up to ``ends[i]``, row ``i`` of ``logits``
+    predicting what follows: each takes the pass, and the tokens due are drawn at once."""
+    due: list[tuple[int, Generation]] = []
+    draws = []
+    for row, (generation, end) in enumerate(zip(generations, ends, strict=True)):
+        try:
+            draw = generation.fed_to(end, logits, row)
+        except BaseException as err:
+            generation.end("failed", err)
+            continue
+        if draw is not None:
+            due.append((row, generation))
+            draws.append(draw)
+    if not due:
+        return
+    try:
+        tokens = draw_tokens(logits, [row for row, _ in due], draws)
+    except BaseException as err:
+        for _, generation in due:
+            generation.end("failed", err)
+        return
+    for (_, generation), token in zip(due, tokens):
+        try:
+            generation.take(token)
+        except BaseException as err:
+            generation.end("failed", err)
 
 
 def forward_pieces(model, caches: list[Cache], pieces: list[list[int]]) -> list[torch.Tensor]:
@@ -269,15 +282,15 @@ def forward_pieces(model, caches: list[Cache], pieces: list[list[int]]) -> list[
     to ``caches[r]`` at that cache's own next positions. The pieces are packed one after
     another in one batch row, since a prompt's pass costs about its token count on a CPU
     (padding rows to the longest piece computed up to 40% padding in a serving run); each
-    row's attention runs over its own cache and its own tokens (``RowsCache``'s ``fed``).
-    The logits of each row's last token."""
+    row's attention runs over its own cache and its own tokens (``engine.pieces``).
+    The logits of each row's last token, ``(rows, vocab)``."""
     ids = torch.tensor([[token for piece in pieces for token in piece]], device=model.device)
     positions = torch.cat([torch.arange(len(piece), device=model.device) + cache.get_seq_length()
                            for cache, piece in zip(caches, pieces)])[None]
     lasts = torch.tensor(list(itertools.accumulate(len(piece) for piece in pieces)), device=model.device) - 1
-    batch = RowsCache(caches, batched=False, fed=[len(piece) for piece in pieces])
+    batch = PiecesCache(caches, [len(piece) for piece in pieces])
     out = model(input_ids=ids, position_ids=positions, past_key_values=batch, use_cache=True, logits_to_keep=lasts)
-    return list(out.logits[0])
+    return out.logits[0]
 
 
 _schedulers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,25 +1,26 @@
 #!/bin/sh
 # The GPU check on a machine with no package registry (see docs/benchmarks.md, "The GPU check").
 #
-#   scripts/gpu.sh wheels           where PyPI is reachable: download the pinned wheels the check
-#                                   needs beside the GPU machine's own torch into .gpu-wheels/
-#                                   (ignored by git; carry it with the working tree)
+#   scripts/gpu.sh wheels           where PyPI is reachable: download into .gpu-wheels/ (ignored
+#                                   by git; carry it with the working tree) the pinned wheels
+#                                   the GPU machine lacks: transformers, and bitsandbytes with
+#                                   only the machine's CUDA library (3.6 MB, not 43)
 #   scripts/gpu.sh check [ARGS...]  on the GPU machine: install them from that folder only, into
 #                                   .gpu-env/ (a venv that also sees the machine's own packages,
 #                                   torch included), then run python -m h2o_chat.bench gpu ARGS
 #
-# Variables: PYTHON (wheels: default .venv/bin/python, whose installed versions the wheels
-# follow; check: default python3, the machine's), GPU_PYTHON_VERSION (the wheels' Python,
-# default 3.12), GPU_WHEELS (default .gpu-wheels), GPU_ENV (default .gpu-env).
+# Variables: PYTHON (wheels: default .venv/bin/python; check: default python3, the
+# machine's), GPU_PYTHON_VERSION (the wheels' Python, default 3.12), GPU_CUDA (the CUDA
+# library bitsandbytes keeps, default 130), GPU_WHEELS (default .gpu-wheels), GPU_ENV
+# (default .gpu-env).
 set -eu
 cd "$(dirname "$0")/.."
 
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 ENV=${GPU_ENV:-.gpu-env}
-# What the check imports beyond torch (which the GPU machine has, with CUDA, and which is
-# far too big to carry), at the versions requirements.txt pins. accelerate takes
-# device_map; gguf reads the embedded model's file where that package is installed.
-PACKAGES="transformers tokenizers safetensors PyYAML psutil gguf accelerate"
+# What the check imports that the GPU machine's image lacks at the versions requirements.txt
+# pins (it has torch, accelerate, safetensors, tokenizers, psutil and PyYAML; no registry).
+PACKAGES="transformers bitsandbytes"
 
 pins() {
     for name in $PACKAGES; do
@@ -32,17 +33,30 @@ case "${1:-}" in
 wheels)
     PYTHON=${PYTHON:-.venv/bin/python}
     mkdir -p "$WHEELS"
-    # Binary wheels for the GPU machine's Python on Linux x86_64, whatever runs this.
-    target="--only-binary=:all: --python-version ${GPU_PYTHON_VERSION:-3.12} --platform manylinux2014_x86_64
-            --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --dest $WHEELS"
-    all=$(pins)
-    # accelerate depends on torch: without its dependencies, the machine's torch serves.
-    accelerate=$(printf '%s\n' $all | grep -i '^accelerate==')
-    rest=$(printf '%s\n' $all | grep -vi '^accelerate==')
-    # Every dependency at the version installed here, where it is (what the tests ran with).
-    "$PYTHON" -m pip freeze --exclude-editable > "$WHEELS/constraints.txt"
-    "$PYTHON" -m pip download $target -c "$WHEELS/constraints.txt" $rest
-    "$PYTHON" -m pip download $target --no-deps "$accelerate"
+    # Binary wheels for the GPU machine's Python on Linux x86_64, whatever runs this; their
+    # dependencies are the machine's own.
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_28_x86_64 --dest "$WHEELS" $(pins)
+    # bitsandbytes ships a library per CUDA and ROCm version: keep the machine's only.
+    "$PYTHON" - "$WHEELS" "libbitsandbytes_cuda${GPU_CUDA:-130}.so" <<'TRIM'
+import sys, zipfile
+from pathlib import Path
+folder, keep = Path(sys.argv[1]), sys.argv[2]
+for wheel in folder.glob("bitsandbytes-*.whl"):
+    trimmed = wheel.with_suffix(".trimmed")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(trimmed, "w", zipfile.ZIP_DEFLATED) as target:
+        dropped = {n for n in source.namelist() if n.endswith(".so") and Path(n).name != keep}
+        for name in source.namelist():
+            if name in dropped:
+                continue
+            data = source.read(name)
+            if name.endswith(".dist-info/RECORD"):
+                data = b"".join(line for line in data.splitlines(True)
+                                if line.split(b",")[0].decode() not in dropped)
+            target.writestr(name, data)
+    trimmed.replace(wheel)
+TRIM
     du -sh "$WHEELS"
     echo "carry $WHEELS with the working tree, then run: scripts/gpu.sh check"
     ;;
@@ -59,7 +73,7 @@ check)
         "$PYTHON" -c "import site; print('\n'.join(site.getsitepackages() + [site.getusersitepackages()]))" \
             > "$site/gpu-machine.pth"
     fi
-    "$ENV/bin/python" -m pip install --no-index --find-links "$WHEELS" $(pins)
+    "$ENV/bin/python" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
     exec "$ENV/bin/python" -m h2o_chat.bench gpu "$@"
     ;;
 *)

@@ -75,15 +75,18 @@ class ReferenceRule:
                 ]
                 if len(candidates) <= budget:
                     continue
-                keep = set(candidates[: self.sink]) | set(candidates[len(candidates) - self.recent :])
-                middle = candidates[self.sink : len(candidates) - self.recent]
                 seen = alive.shape[-1]  # position p has had the queries of p .. seen - 1
+                # The windows: the first sink and the last recent unprotected tokens seen.
+                free = [p for p in range(seen) if not self.is_protected(p)]
+                windows = set(free[: self.sink]) | set(free[len(free) - self.recent :] if self.recent else ())
+                keep = {p for p in candidates if p in windows}
+                middle = [p for p in candidates if p not in windows]
 
                 def rank(p: int) -> float:
                     return float(score[b, h, p]) / ((seen - p) if self.norm == "mean" else 1)
 
                 by_score = sorted(middle, key=lambda p: (-rank(p), p))
-                keep |= set(by_score[: self.heavy])
+                keep |= set(by_score[: budget - len(keep)])
                 for p in candidates:
                     if p not in keep:
                         alive[b, h, p] = False
@@ -91,17 +94,22 @@ class ReferenceRule:
 
 
 class StoredAsCache(DynamicCache):
-    """A stock cache keeping every key and value as ``storage`` would read them back:
-    each token's are written and read through the storage's codecs on arrival (a slot's
-    storage depends on that slot alone, so this is what the engine holds for it)."""
+    """A stock cache keeping every key and value as ``storage`` would read them back: each
+    token's are written and read through the storage's codecs on arrival (a slot's
+    storage depends on that slot alone, so this is what the engine holds for it). The
+    pass that brings tokens attends them as the model gave them; later passes read them
+    stored."""
 
     def __init__(self, config, storage: KVStorage = KVStorage()) -> None:
         super().__init__(config=config)
         self.storage = storage
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(self._stored(self.storage.keys, key_states),
-                              self._stored(self.storage.values, value_states), layer_idx, *args, **kwargs)
+        keys, values = super().update(self._stored(self.storage.keys, key_states),
+                                      self._stored(self.storage.values, value_states), layer_idx, *args, **kwargs)
+        new = key_states.shape[2]
+        return (torch.cat([keys[:, :, :-new], key_states], dim=2),
+                torch.cat([values[:, :, :-new], value_states], dim=2))
 
     @staticmethod
     def _stored(codec, x):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
-from h2o_chat.engine.pool import RowPool
-from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_pieces, forward_rows
+from h2o_chat.engine.step import DecodeStep
+from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_pieces
 
 from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward, h2o,
                       together)
@@ -49,18 +49,19 @@ def decode_alone(model, row, prompt, steps):
     return tokens, kept(cache)
 
 
-@pytest.mark.parametrize("batched_attention", [True, False])
-def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model, batched_attention):
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model, pad):
+    """``pad``: the rows padded to a captured step's batch size, as on CUDA (5 rows: 6)."""
     steps = 30
     caches = [new_cache(tiny_model, row) for row in ROWS]
+    step = DecodeStep(graphs=False, pad=pad)
     with torch.inference_mode():
         logits = [forward_one(tiny_model, cache, prompt) for cache, prompt in zip(caches, prompts())]
         tokens = [[] for _ in ROWS]
         for _ in range(steps):
             for row, row_logits in enumerate(logits):
                 tokens[row].append(int(row_logits.argmax()))
-            ids = torch.tensor([[t[-1]] for t in tokens])
-            logits = forward_rows(tiny_model, caches, ids, batched_attention)
+            logits = step(tiny_model, caches, [t[-1] for t in tokens])
     for row, prompt in enumerate(prompts()):
         alone_tokens, alone_kept = decode_alone(tiny_model, ROWS[row], prompt, steps)
         assert tokens[row] == alone_tokens, f"row {row}"
@@ -72,19 +73,19 @@ def test_a_batch_of_four_unlike_rows_decodes_as_each_alone(tiny_model, batched_a
 def test_rows_join_and_leave_between_steps(tiny_model):
     """Row 1 joins after 5 steps and row 2 leaves after 10: each still decodes as alone."""
     caches = [new_cache(tiny_model, row) for row in ROWS[:3]]
-    last, tokens = {}, {0: [], 1: [], 2: []}
+    last, tokens, step = {}, {0: [], 1: [], 2: []}, DecodeStep()
     with torch.inference_mode():
         for row in (0, 2):
             last[row] = forward_one(tiny_model, caches[row], prompts()[row])
-        for step in range(20):
-            if step == 5:
+        for at in range(20):
+            if at == 5:
                 last[1] = forward_one(tiny_model, caches[1], prompts()[1])
-            if step == 10:
+            if at == 10:
                 del last[2]
             rows = sorted(last)
             for row in rows:
                 tokens[row].append(int(last[row].argmax()))
-            out = forward_rows(tiny_model, [caches[r] for r in rows], torch.tensor([[tokens[r][-1]] for r in rows]))
+            out = step(tiny_model, [caches[r] for r in rows], [tokens[r][-1] for r in rows])
             last = dict(zip(rows, out))
     for row, steps in ((0, 20), (1, 15), (2, 10)):
         assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, ROWS[row], prompts()[row], steps)
@@ -95,35 +96,34 @@ POOLED = [ROWS[0], ROWS[2], dict(policy="h2o", heavy=10, recent=4, sink=1, promp
 
 
 def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_model):
-    """Row 2 joins the pool after 5 steps and row 0 leaves after 10; attention reads the
+    """Row 2 joins the pool after 5 steps and row 0 leaves after 10; the step reads the
     members where they lie in the pool. Each row still decodes as alone, and a row that
     left holds its slots in buffers of its own."""
     generator = torch.Generator().manual_seed(3)
     prompt = [torch.randint(0, 128, (1, row["prompt"]), generator=generator) for row in POOLED]
     caches = [new_cache(tiny_model, row) for row in POOLED]
-    pool, last, tokens, members = RowPool(), {}, {0: [], 1: [], 2: []}, []
+    step, last, tokens, members = DecodeStep(), {}, {0: [], 1: [], 2: []}, []
     with torch.inference_mode():
         for row in (0, 1):
             last[row] = forward_one(tiny_model, caches[row], prompt[row])
-        for step in range(20):
-            if step == 5:
+        for at in range(20):
+            if at == 5:
                 last[2] = forward_one(tiny_model, caches[2], prompt[2])
-            if step == 10:
+            if at == 10:
                 del last[0]
-                pool.release(caches[0])
+                step.release(caches[0])
                 storage = caches[0].whole_group().buffers["keys"].untyped_storage()
-                assert storage.data_ptr() != pool.buffers["keys"].untyped_storage().data_ptr()
+                assert storage.data_ptr() != step.pools[0].buffers["keys"].untyped_storage().data_ptr()
             rows = sorted(last)
             for row in rows:
                 tokens[row].append(int(last[row].argmax()))
-            out = forward_rows(tiny_model, [caches[r] for r in rows], torch.tensor([[tokens[r][-1]] for r in rows]),
-                               pool=pool)
+            out = step(tiny_model, [caches[r] for r in rows], [tokens[r][-1] for r in rows])
+            [pool] = step.pools  # bounded rows of float slots: one pool, whatever their policies
             members.append(len(pool))
             last = dict(zip(rows, out))
         for cache in caches:
-            pool.release(cache)
-    # Rows join once they hold a group of every layer (after their first batched step).
-    assert members[:5] == [0] + [2] * 4 and members[6:10] == [3] * 4 and members[11:] == [2] * 9
+            step.release(cache)
+    assert members == [2] * 5 + [3] * 5 + [2] * 10
     assert len(pool) == 0 and pool.buffers == {}
     for row, steps in ((0, 10), (1, 20), (2, 15)):
         assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, POOLED[row], prompt[row], steps)
@@ -131,32 +131,32 @@ def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_mo
 
 
 # h2o rows of a pool, alike but for budgets, pins, ranking and length, each past its budget
-# (its buffers at their peak once its pins are in): they take their tokens in one write per buffer and their
-# scores in one addition for all rows.
+# (its buffers at their peak once its pins are in): they take their tokens in one write per
+# buffer for every row, their scores in one addition, and evict in one pass.
 SUMMING = [dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=40, pin=(3, 9)),
            dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=(35, 38)),  # decoded tokens pinned
            dict(policy="h2o", heavy=8, recent=8, sink=0, prompt=45, pin=(0, 12), score_norm="mean")]
 
 
 def test_pooled_rows_written_and_scored_at_once_keep_what_each_keeps_alone(tiny_model, monkeypatch):
-    import h2o_chat.engine.rows as rows_module
+    from h2o_chat.engine.layer import H2OLayer
 
-    appended = []
-    append_rows = rows_module.append_rows
-    monkeypatch.setattr(rows_module, "append_rows", lambda *args: appended.append(append_rows(*args)) or appended[-1])
     steps = 25
     generator = torch.Generator().manual_seed(5)
     prompt = [torch.randint(0, 128, (1, row["prompt"]), generator=generator) for row in SUMMING]
     caches = [new_cache(tiny_model, row) for row in SUMMING]
-    pool, tokens = RowPool(), [[] for _ in SUMMING]
+    step, tokens, updates = DecodeStep(), [[] for _ in SUMMING], []
     with torch.inference_mode():
         logits = [forward_one(tiny_model, cache, ids) for cache, ids in zip(caches, prompt)]
+        update = H2OLayer.update
+        monkeypatch.setattr(H2OLayer, "update", lambda *args, **kwargs: updates.append(1) or update(*args, **kwargs))
         for _ in range(steps):
             for row, row_logits in enumerate(logits):
                 tokens[row].append(int(row_logits.argmax()))
-            logits = forward_rows(tiny_model, caches, torch.tensor([[t[-1]] for t in tokens]), pool=pool)
-    # Every layer of every step after the first (when the rows join) took the one write.
-    assert appended.count(True) == (steps - 1) * len(caches[0].layers) and len(pool) == len(SUMMING)
+            logits = step(tiny_model, caches, [t[-1] for t in tokens])
+        monkeypatch.undo()
+    # No layer of any row took its token on its own.
+    assert updates == [] and [len(pool) for pool in step.pools] == [len(SUMMING)]
     for row, cache in enumerate(caches):
         alone = new_cache(tiny_model, SUMMING[row])
         with torch.inference_mode():
@@ -176,28 +176,28 @@ def test_a_pool_whose_members_all_left_on_their_own_takes_new_rows(tiny_model):
     frees every row, spare ones included, and takes the next batch as alone."""
     row = POOLED[2]
     prompt = torch.randint(0, 128, (1, row["prompt"]), generator=torch.Generator().manual_seed(4))
-    pool = RowPool()
+    step = DecodeStep()
     with torch.inference_mode():
         old = [new_cache(tiny_model, row) for _ in range(8)]
         for cache in old:
             forward_one(tiny_model, cache, prompt)
-        ids = torch.full((8, 1), 5)
         for _ in range(2):
-            forward_rows(tiny_model, old, ids, pool=pool)
+            step(tiny_model, old, [5] * 8)
+        [pool] = step.pools
         assert len(pool) == 8
         for cache in old:
             cache.reset()
         fresh = [new_cache(tiny_model, row) for _ in range(2)]
         for cache in fresh:
             forward_one(tiny_model, cache, prompt)
-        forward_rows(tiny_model, fresh, ids[:2])  # every layer of each in one group
-        tokens = [int(logits.argmax()) for logits in forward_rows(tiny_model, fresh, ids[:2], pool=pool)]
-    assert len(pool) == 2
+        step(tiny_model, fresh, [5, 5])
+        tokens = [int(logits.argmax()) for logits in step(tiny_model, fresh, [5, 5])]
+    assert step.pools == [pool] and len(pool) == 2
     alone = new_cache(tiny_model, row)
     with torch.inference_mode():
         forward_one(tiny_model, alone, prompt)
-        forward_one(tiny_model, alone, ids[:1])
-        expected = int(forward_one(tiny_model, alone, ids[:1]).argmax())
+        forward_one(tiny_model, alone, torch.tensor([[5]]))
+        expected = int(forward_one(tiny_model, alone, torch.tensor([[5]])).argmax())
     assert tokens == [expected, expected]
 
 

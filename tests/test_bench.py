@@ -114,12 +114,20 @@ def test_mixed_batch_rows_equal_each_variant_alone(tiny_model):
 
 
 def test_mean_normalisation_changes_the_choice():
+    from h2o_chat.engine.selection import kept_slots, middle_slots, ranking_key
+
     scores = torch.tensor([[[3.0, 1.0, 0.9, 1.5, 0.1]]])
     pos = torch.arange(5)[None, None]
-    raw = Variant("raw", "h2o", heavy=1, recent=1).keep(scores, pos)
-    mean = Variant("mean", "h2o", heavy=1, recent=1, norm="mean").keep(scores, pos)
-    assert raw.flatten().tolist() == [0, 4]  # the largest sum: the oldest slot
-    assert mean.flatten().tolist() == [3, 4]  # per query received: 1.5/2 beats 3/5
+    pinned = torch.zeros_like(pos, dtype=torch.bool)
+
+    def kept(variant):
+        policy = variant.policy
+        key = ranking_key(policy.ranking, scores, pos, seen=5)
+        middle = middle_slots(pos, pinned, 0, 4)  # nothing pinned, no sink, the last one recent
+        return kept_slots(key, pos, pinned, middle, variant.capacity).flatten().nonzero().flatten().tolist()
+
+    assert kept(Variant("raw", "h2o", heavy=1, recent=1)) == [0, 4]  # the largest sum: the oldest slot
+    assert kept(Variant("mean", "h2o", heavy=1, recent=1, norm="mean")) == [3, 4]  # per query: 1.5/2 beats 3/5
     with pytest.raises(ValueError, match="share a capacity"):
         MixedPolicy([Variant("a", "recent", recent=3), Variant("b", "recent", recent=4)])
 

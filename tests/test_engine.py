@@ -297,48 +297,63 @@ def test_make_cache_rejects_bad_arguments(tiny_model):
 
 
 def test_one_slot_over_budget_drops_what_the_full_sort_drops():
-    """The decode fast path (no sort) against the general rule on scores full of ties:
-    the lowest-scored middle slot goes, the newest of equals."""
-    from h2o_chat.engine.policies import H2OPolicy
+    """The general rule on scores full of ties: the lowest-scored middle slot goes, the
+    newest of equals; the decode path without a sort names the same slot."""
+    from h2o_chat.engine.selection import kept_slots, lowest_slot, middle_slots
+    from h2o_chat.engine.spans import ProtectedSpans
 
     torch.manual_seed(4)
-    policy = H2OPolicy(heavy=5, recent=3, sink=2)
+    start, end = ProtectedSpans().windows(11, sink=2, recent=3)
+    assert (start, end) == (2, 8)
+    positions = torch.arange(11).expand(2, 3, -1)
+    pinned = torch.zeros(2, 3, 11, dtype=torch.bool)
+    middle = middle_slots(positions, pinned, start, end)
     for _ in range(50):
-        scores = torch.randint(0, 3, (2, 3, 11)).float()  # n = capacity + 1, many ties
-        positions = torch.arange(11).expand(2, 3, -1)
-        kept = policy.keep(scores, positions)
+        scores = torch.randint(0, 3, (2, 3, 11)).float()  # capacity 10, many ties
+        kept = kept_slots(scores, positions, pinned, middle, capacity=10)
+        dropped = lowest_slot(scores, positions, middle)
         for b in range(2):
             for h in range(3):
-                middle = list(range(2, 8))
-                ranked = sorted(middle, key=lambda p: (-float(scores[b, h, p]), p))
-                assert kept[b, h].tolist() == sorted(set(range(11)) - {ranked[-1]})
+                ranked = sorted(range(2, 8), key=lambda p: (-float(scores[b, h, p]), p))
+                assert kept[b, h].nonzero().flatten().tolist() == sorted(set(range(11)) - {ranked[-1]})
+                assert dropped[b, h].tolist() == [ranked[-1]]
 
 
 @pytest.mark.parametrize("name", ["h2o", "h2o mean", "recent", "sink"])
-def test_drop_one_names_the_slot_that_keep_drops(name):
-    """The decode path without a sort: slots in any memory order, scores full of ties; the
-    slot ``drop_one`` names holds the token that the general rule (``keep``, on slots in
-    temporal order) drops."""
+@pytest.mark.parametrize("pins", [[], [(3, 6)], [(0, 2), (30, 33)]])
+def test_drop_one_names_the_slot_that_keep_drops(name, pins):
+    """The decode path without a sort (``lowest_slot``): slots in any memory order, scores
+    full of ties, pinned spans anywhere; the slot it names holds the token that the
+    general rule (``kept_slots``, which sorts) drops, for every policy's ranking."""
     from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.selection import kept_slots, lowest_slot, middle_slots, ranking_key
+    from h2o_chat.engine.spans import ProtectedSpans
 
     policy = make_policy(name.split()[0], heavy=5, recent=3, sink=2,
                          score_norm="mean" if "mean" in name else "sum")
-    sink, recent = getattr(policy, "sink", 0), policy.recent
+    spans = ProtectedSpans()
+    spans.ranges += pins
     generator = torch.Generator().manual_seed(5)
-    seen, n = 40, policy.capacity + 1
+    seen = 40
+    free = [p for p in range(seen) if not spans.covers(p)]
+    pinned_positions = [p for p in range(seen) if spans.covers(p)]
+    start, end = spans.windows(seen, policy.sink, policy.recent)
+    window = [p for p in free if p < start or p >= end]
+    n = policy.capacity + 1 + len(pinned_positions)
     for _ in range(30):
         positions = torch.empty(2, 3, n, dtype=torch.long)
         for b in range(2):
             for h in range(3):
-                # What a cache holds with nothing pinned: the sink, some older tokens and
-                # the recent window, in a shuffled slot order.
-                older = torch.randperm(seen - recent - sink, generator=generator)[: n - sink - recent] + sink
-                held = torch.cat([torch.arange(sink), older, torch.arange(seen - recent, seen)])
+                # What a cache holds: pins, windows and some of the middle, shuffled.
+                middle_pool = torch.tensor([p for p in free if start <= p < end])
+                older = middle_pool[torch.randperm(len(middle_pool), generator=generator)]
+                held = torch.cat([torch.tensor(pinned_positions + window, dtype=torch.long),
+                                  older[: n - len(pinned_positions) - len(window)]])
                 positions[b, h] = held[torch.randperm(n, generator=generator)]
+        pinned = spans.contains(positions)
         scores = torch.randint(0, 3, (2, 3, n), generator=generator).float()
-        order = positions.argsort(dim=-1)
-        kept = order.gather(-1, policy.keep(scores.gather(-1, order), positions.gather(-1, order))
-                            .expand(2, 3, -1))
-        dropped = torch.ones(2, 3, n, dtype=torch.bool).scatter(-1, kept, False)
-        assert dropped.sum(-1).eq(1).all()
-        assert torch.equal(policy.drop_one(scores, positions), dropped.int().argmax(-1, keepdim=True))
+        key = ranking_key(policy.ranking, scores, positions, seen)
+        middle = middle_slots(positions, pinned, start, end)
+        kept = kept_slots(key, positions, pinned, middle, policy.capacity)
+        assert (~kept).sum(-1).eq(1).all()
+        assert torch.equal(lowest_slot(key, positions, middle), (~kept).int().argmax(-1, keepdim=True))

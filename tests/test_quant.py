@@ -8,7 +8,8 @@ from h2o_chat.config import ConfigError
 from h2o_chat.engine.budget import token_bytes
 from h2o_chat.engine.quant import KVStorage, make_codec
 from h2o_chat.inputs import InputError
-from h2o_chat.scheduler import forward_one, forward_rows
+from h2o_chat.engine.step import DecodeStep
+from h2o_chat.scheduler import forward_one
 from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
 
 from .helpers import GREEDY, assert_consistent, feed
@@ -134,14 +135,15 @@ def test_rows_of_different_precisions_decode_in_one_batch_as_each_alone(tiny_mod
     def new(row):
         return make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2, **row)
 
-    caches = [new(row) for row in rows]
+    caches, step = [new(row) for row in rows], DecodeStep()
     with torch.inference_mode():
         logits = [forward_one(tiny_model, cache, prompt) for cache, prompt in zip(caches, prompts)]
         tokens = [[] for _ in rows]
         for _ in range(25):
             for row, row_logits in enumerate(logits):
                 tokens[row].append(int(row_logits.argmax()))
-            logits = forward_rows(tiny_model, caches, torch.tensor([[t[-1]] for t in tokens]))
+            logits = step(tiny_model, caches, [t[-1] for t in tokens])
+    assert len(step.pools) == len(rows)  # one pool per layout, stepped as one batch
     for row, prompt in enumerate(prompts):
         alone = new(rows[row])
         assert greedy_tokens(tiny_model, alone, prompt, 25) == tokens[row], f"row {row}"

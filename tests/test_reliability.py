@@ -144,16 +144,18 @@ def test_stop_at_a_random_point_keeps_history_and_cache_in_step(smollm, seed):
 def test_a_failure_mid_reply_is_shown_and_the_chat_goes_on(smollm):
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, cache=h2o(model))
-    layer, calls = session.cache.layers[5], []
-    update = layer.update
+    # A decoder layer of the model, whatever path its pass takes (a prompt's or the decode
+    # step's, whose rows take their tokens without their cache layers' update).
+    layer, calls = model.model.layers[5], []
+    forward = layer.forward
 
     def fails_feeding_the_fourth_token(*args, **kwargs):
         calls.append(1)
         if len(calls) == 5:  # the prefill, then tokens 1-3 fed, then token 4's pass fails
             raise RuntimeError("injected failure")
-        return update(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    layer.update = fails_feeding_the_fourth_token
+    layer.forward = fails_feeding_the_fourth_token
     updates = stream_turn(session.send("Describe a forest.", temperature=0, max_new_tokens=30),
                           show=lambda text: {"shown": text}, views=lambda final: {"final": final},
                           final=lambda: {"history": [dict(m) for m in session.messages]},
@@ -162,7 +164,7 @@ def test_a_failure_mid_reply_is_shown_and_the_chat_goes_on(smollm):
     with pytest.raises(gr.Error, match="The reply failed: RuntimeError: injected failure"):
         for item in updates:
             seen.append(item)
-    layer.update = update
+    del layer.forward  # back to the class's
     # The last update before the error shows the history as the session now holds it.
     assert seen[-1]["final"] is True and seen[-1]["history"] == session.messages
     assert len(session.reply) == 4 and session.messages[-1]["content"]

@@ -8,9 +8,10 @@ from transformers import DynamicCache
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
-from h2o_chat.generation import nucleus
+from h2o_chat.sampling import nucleus
 
-from .helpers import BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_update, h2o, record_slots_attended
+from .helpers import (BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward,
+                      fail_next_update, h2o, record_slots_attended)
 from .reference import nucleus_by_sorting
 
 def test_first_reply_equals_stock_generate(smollm):
@@ -346,7 +347,9 @@ def test_a_continue_that_fails_at_once_keeps_the_reply_continuable(smollm):
     session = ChatSession(model, tokenizer, cache=h2o(model, heavy=256, recent=256))
     "".join(session.send(LONG_REPLY, temperature=0, max_new_tokens=8))
     before = (list(session.tokens), [dict(m) for m in session.messages], list(session.reply))
-    fail_next_update(session.cache.layers[12])
+    # The continue's first pass feeds one token: a decode step, whose rows take their
+    # tokens without their layers' update.
+    fail_next_forward(model.model.layers[12])
     with pytest.raises(RuntimeError, match="injected"):
         "".join(session.continue_reply(temperature=0, max_new_tokens=8))
     assert (session.tokens, session.messages, session.reply) == before and session.can_continue

@@ -2,8 +2,9 @@
 
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
-many conversations at once, batched or taking turns), bytes (8: quality at equal memory,
-storage precision and eviction), or all; peer (llama.cpp on the same GGUF file, one
+many conversations at once, batched or taking turns), step (the decode step's cost as
+conversations are added), bytes (8: quality at equal memory, storage precision and
+eviction), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
 ``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
@@ -28,7 +29,7 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, streaming, xsum
+from . import data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step, streaming, xsum
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
@@ -86,9 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-turns", type=int, default=4,
                    help="serve: fresh chats whose turns run concurrently and one after another (0: none)")
     p.add_argument("--samples", type=int, default=8, help="serve: short messages timed each way")
-    p.add_argument("--attention-rows", default="8,32",
-                   help="serve: comma list of row counts whose decode step is timed with attention batched "
-                        "over the rows and row by row ('': none)")
+    p.add_argument("--step-rows", default="1,16,32", help="step: comma list of rows decoding together")
+    p.add_argument("--step-history", type=int, default=512, help="step: tokens each row has read (default 512)")
+    p.add_argument("--step-slots", type=int, default=128, help="step: cache slots of each row (default 128)")
+    p.add_argument("--step-rounds", type=int, default=5, help="step: timed rounds alternating the row counts")
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
     p.add_argument("--byte-contexts", help="bytes: comma list of contexts whose decode speed is timed ('': none)")
@@ -252,8 +254,12 @@ TABLE: dict[str, Comparison] = {
         lambda b: serve.run(b.model, b.tokenizer,
                             [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",") if c],
                             b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
-                            [int(n) for n in b.args.attention_rows.split(",") if n], b.args.chat_turns, log=log),
+                            b.args.chat_turns, log=log),
         serve.plot, serve.markdown),
+    "step": Comparison("step", lambda b: ("step", step.run(
+        b.model, b.tokenizer, [int(n) for n in b.args.step_rows.split(",")], b.args.step_history, b.args.step_slots,
+        b.args.step_rounds, steps=4, log=log)), lambda b, result: [
+        ("step", "The decode step's cost as conversations are added", step.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
         lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, [float(x) for x in b.args.shares.split(",")],

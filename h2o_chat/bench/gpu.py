@@ -2,16 +2,23 @@
 
 Runs with nothing downloaded, on random-weight Llamas of real shapes built on the device
 (``gpu_models.py``; quality is not measured there), and the embedded SmolLM2 where its
-package is installed. Per model:
+package is installed. Every decode step is the scheduler's own (``engine.step.DecodeStep``:
+one batched step for every row, replayed as a CUDA graph on a GPU, the rows' next tokens
+drawn at once). Per model:
 
 1. correctness on the device (``gpu_checks.py``), and that every cache is freed between runs;
-2. decode tokens/s, peak memory and KV bytes at several history lengths, for the full
-   cache, h2o at 20% of the history (float and K8/V4 slots) and stock ``DynamicCache``;
-3. serving: B conversations with the same history decoding as one batch (the scheduler's
-   step, ``forward_rows``): aggregate and per-row tokens/s, KV bytes; then the largest B
-   that fits in memory for each cache, projected from the measured bytes and confirmed by
-   running it (the H2O paper's throughput argument: a smaller cache fits a bigger batch);
-4. prefill tokens/s of a long prompt in chunks.
+2. one conversation at ``history`` tokens: decode tokens/s, peak memory and KV bytes for
+   the full cache, h2o at 20% of the history (float and K8/V4 slots), and stock
+   ``DynamicCache`` decoding through the model's own loop (the reference);
+3. serving: B conversations with unlike histories (``bases`` distinct ones, of different
+   lengths and so different kept positions; copies of them past that) decoding as one
+   batch: aggregate and per-row tokens/s, KV bytes; then the largest B that fits in memory
+   for each cache, projected from the measured bytes and confirmed by running it (the H2O
+   paper's throughput argument: a smaller cache fits a bigger batch);
+4. what a step costs (torch.profiler): kernels the GPU ran, launches the host made,
+   reads of the device, GPU busy time against wall time, at one row and the most rows of
+   the sweep;
+5. prefill tokens/s of a long prompt in chunks.
 
 Then a small random model saved as a model folder is loaded back through ``load_model``
 with every placement the device allows, CUDA-only ones included (``device_map``,
@@ -36,12 +43,14 @@ import torch
 from transformers import DynamicCache
 
 from h2o_chat.engine.build import make_cache
-from h2o_chat.scheduler import forward_one, forward_rows
+from h2o_chat.engine.step import DecodeStep
+from h2o_chat.sampling import Draw, Sampling, draw_tokens
 
 from . import gpu_checks, gpu_loading, gpu_models
 from .gpu_checks import Check, h2o_budgets, random_ids
 from .report import md_table
 from .speed import RssSampler, decode, kv_numbers, prefill, synchronize
+from .step import profile_step
 
 MB = 2**20
 
@@ -53,33 +62,34 @@ class Plan:
     check_context: int  # tokens of history in the correctness checks
     check_steps: int  # decode steps compared there
     chunk: int  # prefill chunk of the checks, the decode and serving runs (the app's 256)
-    contexts: tuple[int, ...]  # history lengths of the decode runs
+    history: int  # tokens of history of the decode and serving runs
     decode_tokens: int  # tokens per timed decode run
     repeats: int  # timed decode runs per cache
     batches: tuple[int, ...]  # conversations decoding as one batch
-    history: int  # tokens each of them has read
+    bases: int  # distinct conversations the serving rows are drawn from
     batch_steps: int  # timed batched decode steps
     prefill_tokens: int
     prefill_chunks: tuple[int, ...]
-    confirm_rows: int  # the largest batch is confirmed by running at most this many rows
+    max_rows: int  # the largest batch is searched up to this many rows
     memory_mb: float | None = None  # memory for the largest batch; None: what the device has free
     share: float = 0.2  # h2o's slots as a share of the history
 
 
 PLANS = {
-    "full": Plan(check_context=1024, check_steps=16, chunk=256, contexts=(4096, 16384, 32768), decode_tokens=32,
-                 repeats=3, batches=(1, 4, 16, 64), history=4096, batch_steps=16, prefill_tokens=16384,
-                 prefill_chunks=(256, 2048), confirm_rows=512),
+    "full": Plan(check_context=1024, check_steps=16, chunk=256, history=4096, decode_tokens=64, repeats=3,
+                 batches=(1, 16, 64), bases=16, batch_steps=16, prefill_tokens=16384, prefill_chunks=(2048,),
+                 max_rows=16384),
     # A memory limit of its own keeps the tiny run's largest batches small enough to run.
-    "tiny": Plan(check_context=64, check_steps=4, chunk=32, contexts=(64, 128), decode_tokens=4, repeats=2,
-                 batches=(1, 4), history=96, batch_steps=2, prefill_tokens=128, prefill_chunks=(32, 64),
-                 confirm_rows=8, memory_mb=0.5),
+    "tiny": Plan(check_context=64, check_steps=4, chunk=32, history=96, decode_tokens=4, repeats=2,
+                 batches=(1, 4), bases=3, batch_steps=2, prefill_tokens=128, prefill_chunks=(32, 64),
+                 max_rows=8, memory_mb=0.5),
 }
 # Room kept free when projecting the largest batch: the allocator's fragmentation and
 # the CUDA context's own buffers.
 MEMORY_MARGIN = 0.9
 # Allocations still alive after a run's caches are freed, at most (CUDA only).
 LEFTOVER_BYTES = 8 * MB
+GREEDY = Sampling(temperature=0)
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -142,7 +152,8 @@ class Freed:
         self.refs.append(weakref.ref(cache))
 
     def settle(self) -> None:
-        """Called once a run's caches are dropped."""
+        """Called once a run's caches are dropped (outside any ``except`` block: a caught
+        error's traceback holds the frames, and so the caches, of the run that raised)."""
         release(self.device)
         if self.device.type == "cuda":
             self.leftover = max(self.leftover, in_use(self.device) - self.baseline)
@@ -159,142 +170,176 @@ class Freed:
                      {"alive": alive, "caches": len(self.refs), "leftover_bytes": self.leftover if cuda else None})
 
 
+# ---- the scheduler's step ------------------------------------------------------------------
+
+
+class Rows:
+    """Conversations decoding together as the scheduler decodes them: one ``DecodeStep``
+    per call, every row's next token drawn at once (greedy). ``add`` makes a
+    conversation a row of the step's pools at once (room for ``room`` rows), so a large
+    batch never holds every conversation's own buffers beside the pool; ``close`` lets
+    go of what the step holds (the pools' rows, the captured graphs)."""
+
+    def __init__(self, model, room: int = 1) -> None:
+        self.model, self.caches, self.step = model, [], DecodeStep()
+        self.room = self.step.batch_rows(model, room)
+
+    def add(self, cache) -> None:
+        self.step.join([cache], self.room)
+        self.caches.append(cache)
+
+    def __call__(self) -> None:
+        with torch.inference_mode():
+            logits = self.step(self.model, self.caches, self.tokens)
+            self.tokens = draw_tokens(logits, list(range(len(self.caches))), [Draw(GREEDY)] * len(self.caches))
+
+    def timed(self, steps: int, device: torch.device, warm: int = 3) -> tuple[float, PeakMemory]:
+        """Seconds for ``steps`` steps after ``warm`` untimed ones (the step runs eagerly
+        once, is captured once), and the peak memory meanwhile."""
+        if warm:
+            self.tokens = [0] * len(self.caches)
+        for _ in range(warm):
+            self()
+        with PeakMemory(device) as peak:
+            started = time.perf_counter()
+            for _ in range(steps):
+                self()
+            synchronize(device)
+            seconds = time.perf_counter() - started
+        return seconds, peak
+
+    def close(self) -> None:
+        for cache in self.caches:
+            self.step.release(cache)
+        self.caches = []
+        self.step = None
+
+
 # ---- measurements ------------------------------------------------------------------------
 
 
-def cache_configs(model, history: int, share: float, stock: bool = False) -> list[tuple[str, Callable]]:
+def cache_configs(model, history: int, share: float) -> list[tuple[str, Callable]]:
     """The caches compared at ``history`` tokens, by label."""
     budget = h2o_budgets(max(gpu_checks.SINK + 2, int(history * share)))
     label = f"h2o {share:.0%}"
-    configs = [("full", lambda: make_cache(model, "full")),
-               (label, lambda: make_cache(model, "h2o", **budget)),
-               (f"{label} K8/V4", lambda: make_cache(model, "h2o", key_bits=8, value_bits=4, **budget))]
-    if stock:
-        configs.append(("stock DynamicCache", lambda: DynamicCache(config=model.config)))
-    return configs
+    return [("full", lambda: make_cache(model, "full")),
+            (label, lambda: make_cache(model, "h2o", **budget)),
+            (f"{label} K8/V4", lambda: make_cache(model, "h2o", key_bits=8, value_bits=4, **budget))]
 
 
-def measure_decode(model, plan: Plan, device: torch.device, freed: Freed, log) -> list[dict]:
-    """Decode speed and memory per history length and cache. The timed runs continue one
-    another, so the history grows by at most ``repeats x decode_tokens`` tokens."""
-    rows = []
-    for context in plan.contexts:
-        ids = random_ids(model, context, device, seed=context)
-        for name, make in cache_configs(model, context, plan.share, stock=True):
-            with PeakMemory(device) as peak:
-                cache = make()
-                freed.watch(cache)
-                logits = prefill(model, cache, ids, plan.chunk)
-                decode(model, cache, logits, 1)  # the first step grows a full cache's buffers
-                seconds = [decode(model, cache, logits, plan.decode_tokens) for _ in range(plan.repeats)]
-            allocated, held_bytes, held = kv_numbers(cache)
-            rate = [plan.decode_tokens / s for s in seconds]
-            rows.append({"context": context, "cache": name, "decode_tok_s": statistics.median(rate),
-                         "runs_tok_s": rate, "peak_mb": peak.peak / MB, "kv_allocated_mb": allocated / MB,
-                         "kv_held_mb": held_bytes / MB, "held": held})
-            del cache, logits
-            freed.settle()
-        full = next(r["decode_tok_s"] for r in rows if r["context"] == context and r["cache"] == "full")
-        for row in rows:
-            if row["context"] == context:
-                row["vs_full"] = row["decode_tok_s"] / full
-        log(f"  decode at {context}: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s"
-                                                  for r in rows if r["context"] == context))
+def unlike(model, make: Callable, plan: Plan, count: int, device: torch.device) -> Rows:
+    """``count`` conversations as rows: ``plan.bases`` distinct ones read random histories
+    of different lengths (up to ``plan.history``); the rows are copies of them in turn."""
+    bases = []
+    for index in range(min(count, plan.bases)):
+        length = plan.history - index * plan.history // (4 * plan.bases)
+        cache = make()
+        prefill(model, cache, random_ids(model, length, device, seed=100 + index), plan.chunk)
+        cache.fit_for_decoding()
+        bases.append(cache)
+    rows = Rows(model, count)
+    for index in range(count):
+        rows.add(copy.deepcopy(bases[index % len(bases)]))
     return rows
 
 
-def decode_step(model, caches: list, tokens: torch.Tensor) -> torch.Tensor:
-    """One step of every conversation, as the scheduler runs it: one row alone, more as
-    one batch. The logits, ``(rows, vocab)``."""
-    with torch.inference_mode():
-        if len(caches) == 1:
-            return forward_one(model, caches[0], tokens)[None]
-        return torch.stack(forward_rows(model, caches, tokens))
+def measure_decode(model, plan: Plan, device: torch.device, freed: Freed, log) -> list[dict]:
+    """One conversation: each cache through the scheduler's step, and stock ``DynamicCache``
+    through the model's own decode loop."""
+    rows = []
+    ids = random_ids(model, plan.history, device, seed=plan.history)
+    for name, make in [*cache_configs(model, plan.history, plan.share), ("stock DynamicCache", None)]:
+        with PeakMemory(device) as peak:
+            if make is None:
+                cache = DynamicCache(config=model.config)
+                logits = prefill(model, cache, ids, plan.chunk)
+                decode(model, cache, logits, 1)  # the first step grows the buffers
+                seconds = [decode(model, cache, logits, plan.decode_tokens) for _ in range(plan.repeats)]
+            else:
+                cache = make()
+                prefill(model, cache, ids, plan.chunk)
+                cache.fit_for_decoding()
+                one = Rows(model)
+                one.add(cache)
+                seconds = [one.timed(plan.decode_tokens, device, warm=3 if not index else 0)[0]
+                           for index in range(plan.repeats)]
+                one.close()
+        freed.watch(cache)
+        allocated, held_bytes, held = kv_numbers(cache)
+        rate = [plan.decode_tokens / s for s in seconds]
+        rows.append({"history": plan.history, "cache": name, "decode_tok_s": statistics.median(rate),
+                     "runs_tok_s": rate, "peak_mb": peak.peak / MB, "kv_allocated_mb": allocated / MB,
+                     "kv_held_mb": held_bytes / MB, "held": held})
+        del cache
+        freed.settle()
+    full = next(r["decode_tok_s"] for r in rows if r["cache"] == "full")
+    for row in rows:
+        row["vs_full"] = row["decode_tok_s"] / full
+    log("  decode: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s" for r in rows))
+    return rows
 
 
-def timed_steps(model, caches: list, steps: int, device: torch.device) -> tuple[float, PeakMemory]:
-    """Seconds for ``steps`` greedy batched steps after one untimed step, and the peak
-    memory of the timed ones."""
-    tokens = torch.zeros((len(caches), 1), dtype=torch.long, device=device)
-    tokens = decode_step(model, caches, tokens).argmax(-1, keepdim=True)
-    with PeakMemory(device) as peak:
-        started = time.perf_counter()
-        for _ in range(steps):
-            tokens = decode_step(model, caches, tokens).argmax(-1, keepdim=True)
-        synchronize(device)
-        seconds = time.perf_counter() - started
-    return seconds, peak
-
-
-def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) -> tuple[list[dict], list[dict]]:
-    """The batch sweep and the largest batch of each cache. Every conversation is a copy
-    of one that read ``history`` random tokens: the same work per row as different
-    histories, without a prefill per conversation."""
-    ids = random_ids(model, plan.history, device, seed=11)
-    rows, largest = [], []
+def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) -> tuple[list[dict], list[dict],
+                                                                                         list[dict]]:
+    """The batch sweep, what its steps cost, and the largest batch of each cache."""
+    sweep, costs, largest = [], [], []
     for name, make in cache_configs(model, plan.history, plan.share):
-        base = make()
-        freed.watch(base)
-        prefill(model, base, ids, plan.chunk)
-        step_bytes = conversation = 0
+        conversation = step_bytes = 0
         for count in plan.batches:
-            caches = []
-            try:
-                caches = [copy.deepcopy(base) for _ in range(count)]
-                seconds, peak = timed_steps(model, caches, plan.batch_steps, device)
-            except torch.OutOfMemoryError:  # the full cache's point: it stops fitting first
-                rows.append({"cache": name, "conversations": count, "history": plan.history, "out_of_memory": True})
-                log(f"  serve {name} x {count}: out of memory")
-                del caches
-                freed.settle()
-                continue
+            rows = unlike(model, make, plan, count, device)
+            seconds, peak = rows.timed(plan.batch_steps, device)
+            if count in (plan.batches[0], plan.batches[-1]):
+                costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
+            caches = rows.caches
             conversation = kv_numbers(caches[0])[0]
             step_bytes = max(0, peak.peak - peak.start) / count
-            rows.append({"cache": name, "conversations": count, "history": plan.history, "out_of_memory": False,
-                         "aggregate_tok_s": count * plan.batch_steps / seconds,
-                         "per_row_tok_s": plan.batch_steps / seconds,
-                         "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
-                         "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
-                         "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB})
-            log(f"  serve {name} x {count}: {rows[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
+            sweep.append({"cache": name, "conversations": count, "history": plan.history,
+                          "aggregate_tok_s": count * plan.batch_steps / seconds,
+                          "per_row_tok_s": plan.batch_steps / seconds,
+                          "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
+                          "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
+                          "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB})
+            log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
             for cache in caches:
                 freed.watch(cache)
-            del caches
+            rows.close()
+            del caches, rows
             freed.settle()
-        largest.append(largest_batch(model, base, name, conversation, step_bytes, plan, device, freed))
+        largest.append(largest_batch(model, make, name, conversation, step_bytes, plan, device, freed))
         log(f"  largest batch {name}: {largest[-1]}")
-        del base
-        freed.settle()
-    return rows, largest
+    return sweep, costs, largest
 
 
-def largest_batch(model, base, name: str, conversation: int, step_bytes: float, plan: Plan,
+def largest_batch(model, make: Callable, name: str, conversation: int, step_bytes: float, plan: Plan,
                   device: torch.device, freed: Freed) -> dict:
-    """The most conversations like ``base`` that fit: projected from one conversation's
-    bytes and a step's bytes per row, then run (at most ``plan.confirm_rows`` rows; 10%
-    fewer after each out-of-memory error)."""
+    """The most conversations that fit: projected from one conversation's bytes and a
+    step's bytes per row, then run (at most ``plan.max_rows`` rows, a batch size a
+    captured step computes without padding; the next smaller after an out-of-memory
+    error)."""
     free = free_memory(device) if plan.memory_mb is None else plan.memory_mb * MB
-    # No conversation measured (one alone did not fit): nothing to project from.
     projected = int(free * MEMORY_MARGIN // (conversation + step_bytes)) if conversation else 0
-    rows = min(projected, plan.confirm_rows)
+    step = DecodeStep()
+    sizes = [n for n in range(1, min(projected, plan.max_rows) + 1) if step.batch_rows(model, n) == n]
     result = {"cache": name, "memory_mb": free / MB, "conversation_mb": conversation / MB,
               "step_mb_per_row": step_bytes / MB, "projected": projected, "confirmed": None, "aggregate_tok_s": None}
-    while rows >= 1:
-        caches = []
+    while sizes:
+        count, rows = sizes.pop(), None
         try:
-            caches = [copy.deepcopy(base) for _ in range(rows)]
-            seconds, _ = timed_steps(model, caches, 2, device)
+            rows = unlike(model, make, plan, count, device)
+            seconds, _ = rows.timed(plan.batch_steps, device)
         except torch.OutOfMemoryError:
-            del caches
-            freed.settle()
-            rows = int(rows * 0.9)
-            continue
-        result.update(confirmed=rows, aggregate_tok_s=2 * rows / seconds)
-        for cache in caches:
-            freed.watch(cache)
-        del caches
-        freed.settle()
-        break
+            fitted = False
+        else:
+            fitted = True
+            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds)
+        if rows is not None:
+            for cache in rows.caches:
+                freed.watch(cache)
+            rows.close()
+        del rows
+        freed.settle()  # outside the except block: its traceback held the caches
+        if fitted:
+            break
     return result
 
 
@@ -337,11 +382,11 @@ def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
     release(device)
     freed = Freed(device)
     result["decode"] = measure_decode(model, plan, device, freed, log)
-    result["serving"], result["largest_batch"] = measure_serving(model, plan, device, freed, log)
+    result["serving"], result["step_costs"], result["largest_batch"] = measure_serving(model, plan, device, freed, log)
     result["prefill"] = measure_prefill(model, plan, device, freed, log)
     result["checks"] = [asdict(c) for c in [*checks, freed.check()]]
     for check in result["checks"]:
-        log(f"  {'PASS' if check['passed'] else 'FAIL'} {check['name']}: {check['measured']}")
+        log(f"  {verdict(check['passed'])} {check['name']}: {check['measured']}")
     result["seconds"] = round(time.perf_counter() - started, 1)
     del model
     release(device)
@@ -363,8 +408,9 @@ def run(model_names: list[str], plan: Plan, device: torch.device, log=print) -> 
         models.append(run_model(name, plan, device, log))
     loading, branches = gpu_loading.run(device)
     for check in loading:
-        log(f"  {'PASS' if check.passed else 'FAIL'} {check.name}: {check.measured}")
+        log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
     checks = [c["passed"] for m in models for c in m["checks"]] + [c.passed for c in loading]
+    checks = [passed for passed in checks if passed is not None]
     return {"device": str(device), "device_name": device_name(device), "plan": asdict(plan), "models": models,
             "skipped": skipped, "loading": [asdict(c) for c in loading], "loading_branches": branches,
             "passed": all(checks)}
@@ -377,24 +423,57 @@ def device_name(device: torch.device) -> str:
     return "CPU"
 
 
+def verdict(passed: bool | None) -> str:
+    return {True: "pass", False: "FAIL", None: "measured"}[passed]
+
+
+def ratios(model: dict) -> list[str]:
+    """The issue's GPU targets, from one model's run."""
+    decode = {r["cache"]: r["decode_tok_s"] for r in model["decode"]}
+    serving = {(r["cache"], r["conversations"]): r["aggregate_tok_s"] for r in model["serving"]}
+    largest = {r["cache"]: r for r in model["largest_batch"]}
+    lines = ["one conversation: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in decode.items())]
+    names = [r["cache"] for r in model["largest_batch"]]
+    full, h2o, quantized = names[0], names[1], names[2]
+    most = max(n for _, n in serving)
+    lines.append(f"{most} conversations: " + ", ".join(f"{name} {serving[name, most]:.0f} tok/s aggregate"
+                                                     for name in names if (name, most) in serving))
+    for count in sorted({n for _, n in serving}):
+        if (quantized, count) in serving and (h2o, count) in serving:
+            lines.append(f"{quantized} / {h2o} at {count} conversations: "
+                         f"{serving[quantized, count] / serving[h2o, count]:.2f}x (target >= 0.8x)")
+    if largest[full]["aggregate_tok_s"] and largest[h2o]["aggregate_tok_s"]:
+        lines.append(f"largest batch that fits: {h2o} {largest[h2o]['confirmed']} rows "
+                     f"{largest[h2o]['aggregate_tok_s']:.0f} tok/s, {full} {largest[full]['confirmed']} rows "
+                     f"{largest[full]['aggregate_tok_s']:.0f} tok/s: "
+                     f"{largest[h2o]['aggregate_tok_s'] / largest[full]['aggregate_tok_s']:.2f}x (target >= 3x)")
+    return lines
+
+
 def markdown(result: dict) -> str:
     blocks = [f"Device: {result['device_name']}. Random weights measure speed, memory and equality, "
-              "not the quality of the text."]
+              "not the quality of the text. Every decode step but stock DynamicCache's is the scheduler's "
+              "(one batched step for every row, replayed as a CUDA graph on a GPU)."]
     for m in result["models"]:
         blocks.append(f"### {m['label']}\n\n{m['layers']} layers, {m['hidden']} hidden, {m['heads']} query heads, "
                       f"{m['kv_heads']} KV heads, {m['dtype'].removeprefix('torch.')}"
                       + (f", {m['weights_mb']:.0f} MiB of weights" if m["weights_mb"] else ""))
         blocks.append(md_table(["check", "result", "measured"],
-                               [[c["name"], "pass" if c["passed"] else "FAIL", c["measured"]] for c in m["checks"]]))
+                               [[c["name"], verdict(c["passed"]), c["measured"]] for c in m["checks"]]))
         blocks.append(md_table(["history", "cache", "decode tok/s", "vs full", "peak memory MiB", "KV MiB allocated",
                                 "KV MiB in use"],
-                               [[r["context"], r["cache"], r["decode_tok_s"], f"{r['vs_full']:.2f}×", r["peak_mb"],
+                               [[r["history"], r["cache"], r["decode_tok_s"], f"{r['vs_full']:.2f}×", r["peak_mb"],
                                  r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]))
         blocks.append(md_table(["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated",
                                 "step MiB per row"],
-                               [[r["conversations"], r["cache"], "out of memory", "", "", ""] if r["out_of_memory"] else
-                                [r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
+                               [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
                                  r["step_mb_per_row"]] for r in m["serving"]]))
+        cuda = result["device"].startswith("cuda")
+        blocks.append(md_table(
+            ["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
+            + (["kernels run", "launches", "GPU busy ms"] if cuda else []),
+            [[r["conversations"], r["cache"], r["ops"], r["host_reads"], r["wall_ms"]]
+             + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) for r in m["step_costs"]]))
         blocks.append(md_table(["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation",
                                 "memory MiB"],
                                [[r["cache"], r["projected"], r["confirmed"], r["aggregate_tok_s"], r["conversation_mb"],
@@ -402,9 +481,10 @@ def markdown(result: dict) -> str:
         blocks.append(md_table(["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
                                [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]]
                                 for r in m["prefill"]]))
+        blocks.append("\n".join(f"- {line}" for line in ratios(m)))
     blocks.append("### Loading a saved model through load_model\n\n" + md_table(
         ["check", "result", "measured"],
-        [[c["name"], "pass" if c["passed"] else "FAIL", c["measured"]] for c in result["loading"]]))
+        [[c["name"], verdict(c["passed"]), c["measured"]] for c in result["loading"]]))
     notes = [f"- {s['model']}: not run: {s['why']}" for s in result["skipped"]]
     notes += [f"- {b['branch']}: not run: {b['why_not']}" for b in result["loading_branches"] if not b["ran"]]
     if result["device"] == "cpu":

@@ -26,7 +26,7 @@ import torch
 from h2o_chat.config import POLICIES, check_field
 from h2o_chat.engine.build import cache_for_policy
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.policies import EvictionPolicy, H2OPolicy, make_policy
+from h2o_chat.engine.policies import EvictionPolicy, H2OPolicy, RowRule, make_policy
 from h2o_chat.engine.quant import KVStorage
 
 EVICTING = tuple(name for name in POLICIES if name != "full")  # the kinds a variant may be
@@ -83,10 +83,6 @@ class Variant:
             return H2OPolicy(heavy=self.heavy, recent=self.recent, sink=self.sink, norm=self.norm)
         return make_policy(self.kind, recent=self.recent, sink=self.sink)
 
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The policy's choice, ascending (the engine's ``EvictionPolicy.keep`` contract)."""
-        return self.policy.keep(scores, positions).sort(dim=-1).values
-
 
 def h2o_split(label: str, budget: int, heavy_share: float = 0.5, sink: int = 0, **kw) -> Variant:
     """H2O with ``budget`` slots: ``sink`` first, then ``heavy_share`` of the rest heavy."""
@@ -137,16 +133,10 @@ class MixedPolicy(EvictionPolicy):
         for rows, variant in self._blocks():
             variant.policy.accumulate(scores[rows], received[rows])
 
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if scores.shape[0] != self.batch:
-            raise ValueError(f"batch of {scores.shape[0]} rows; this MixedPolicy expects {self.batch}")
-        if len(self.variants) == 1:
-            return self.variants[0].keep(scores, positions)
-        parts = []
-        for rows, variant in self._blocks():
-            index = variant.keep(scores[rows], positions[rows])
-            parts.append(index.expand(self.rows, scores.shape[1], -1))
-        return torch.cat(parts, dim=0)
+    def row_rules(self, rows: int) -> list[RowRule]:
+        if rows != self.batch:
+            raise ValueError(f"batch of {rows} rows; this MixedPolicy expects {self.batch}")
+        return [rule for variant in self.variants for rule in variant.policy.row_rules(self.rows)]
 
     def describe(self) -> dict:
         return {"policy": self.name, "rows": self.rows, "variants": [v.label for v in self.variants]}

@@ -1,76 +1,72 @@
-"""Eviction policies: how a layer scores its cached slots, and which it keeps over budget.
+"""Eviction policies: how many slots a layer keeps, and how it ranks them.
 
-Each policy is one small class behind one interface. After each attention call the cache
-layer asks its policy to ``accumulate`` the attention mass every slot received; once over
-budget it hands the policy the accumulated scores of its evictable (unpinned) slots, in
-temporal order, and the policy answers with the indices to keep. Adding a policy never
-touches the cache code.
+Every policy here keeps, per KV head, its pinned slots, the first ``sink`` and the last
+``recent`` unpinned tokens (its windows, ``spans.ProtectedSpans.windows``) and the best
+ranked of the rest (the middle) up to ``capacity``. What tells policies apart is their
+budgets and their ``ranking`` of the middle: accumulated attention (h2o), attention per
+query received (h2o, ``score_norm="mean"``) or recency (the window policies, which keep
+no middle at all in normal use). Which slots go follows from that in one place for
+every policy (``selection.py``), so the decode step runs rows of any policies as one.
+Adding a policy never touches the cache code.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import torch
+from typing import ClassVar, NamedTuple
 
 from h2o_chat.config import check_cache_budgets, check_field
 
+from .selection import RANK_MEAN, RANK_RECENCY, RANK_SCORE
+
+
+class RowRule(NamedTuple):
+    """A batch row's windows and ranking."""
+
+    sink: int
+    recent: int
+    ranking: int  # RANK_SCORE, RANK_MEAN or RANK_RECENCY
+
 
 class EvictionPolicy:
-    """Interface: ``capacity`` evictable slots are kept at rest; ``keep`` picks them."""
+    """Interface: ``capacity`` unpinned slots are kept at rest, chosen by ``row_rules``."""
 
     name: ClassVar[str]
     # Policies that rank slots by attention mass make the attention function compute
     # explicit softmax probabilities; the others can use the fused sdpa kernel.
     needs_scores: ClassVar[bool] = False
+    ranking: ClassVar[int] = RANK_RECENCY
+    sink = 0
+    recent = 0
 
     @property
     def capacity(self) -> int | None:
-        """Evictable slots kept per KV head at rest; ``None`` means unbounded."""
+        """Unpinned slots kept per KV head at rest; ``None`` means unbounded."""
         raise NotImplementedError
 
-    def accumulate(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+    @property
+    def sums_scores(self) -> bool:
+        """Whether a slot's score is simply the mass it received, added up: the one rule
+        the batched decode step applies to every row at once."""
+        return type(self).accumulate is EvictionPolicy.accumulate
+
+    def accumulate(self, scores, received) -> None:
         """Fold the attention mass each slot just received into its score, in place; both
         ``(batch, kv_heads, held)`` float32, slots in the cache's memory order. Called
         after every attention call that computed probabilities."""
         scores.add_(received)
 
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Indices of the slots to keep.
-
-        ``scores`` (accumulated attention mass) and ``positions`` (absolute token
-        positions; the newest is the last token seen) are ``(batch, kv_heads, n)`` with
-        ``n > capacity``, oldest slot first. Returns either ``(capacity,)`` (same slots
-        for every head) or ``(batch, kv_heads, capacity)``.
-        """
-        raise NotImplementedError
-
-    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The slot to evict, ``(batch, kv_heads, 1)``, when exactly one slot is over budget
-        and none is pinned, as at every decode step; or None to use ``keep``.
-
-        Unlike ``keep``, slots come in any order (the cache's memory order), so the answer
-        costs no sort. It must name the slot that ``keep`` would drop. With nothing pinned
-        the sink slots are exactly positions ``0..sink-1`` and the recent window the last
-        ``recent`` positions: every policy here keeps both windows, so no token in them was
-        ever evicted.
-        """
-        return None
+    def row_rules(self, rows: int) -> list[RowRule]:
+        """The windows and ranking of each of ``rows`` batch rows (the same for all, but in
+        policies that mix rules in one batch, the benchmarks')."""
+        return [RowRule(self.sink, self.recent, self.ranking)] * rows
 
     def fit(self, capacity: int) -> None:
-        """Keep ``capacity`` evictable slots at rest from now on (a byte budget's slots
+        """Keep ``capacity`` unpinned slots at rest from now on (a byte budget's slots
         less the pinned ones), by resizing the share that pins may take."""
         raise ValueError(f"the {self.name} policy has no budget to fit")
 
     def describe(self) -> dict[str, int | str]:
         return {"policy": self.name}
-
-
-def window_indices(n: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
-    """The first ``sink`` and the last ``recent`` of ``n`` slots, ascending."""
-    return torch.cat(
-        [torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)]
-    )
 
 
 class FullPolicy(EvictionPolicy):
@@ -79,9 +75,6 @@ class FullPolicy(EvictionPolicy):
     @property
     def capacity(self) -> int | None:
         return None
-
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("the full policy never evicts")
 
 
 class RecentPolicy(EvictionPolicy):
@@ -95,12 +88,6 @@ class RecentPolicy(EvictionPolicy):
     @property
     def capacity(self) -> int:
         return self.recent
-
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return window_indices(scores.shape[-1], 0, self.recent, scores.device)
-
-    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return positions.argmin(dim=-1, keepdim=True)
 
     def fit(self, capacity: int) -> None:
         self.recent = max(1, capacity)
@@ -121,14 +108,6 @@ class SinkPolicy(EvictionPolicy):
     def capacity(self) -> int:
         return self.sink + self.recent
 
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return window_indices(scores.shape[-1], self.sink, self.recent, scores.device)
-
-    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # The oldest token past the sink: the one leaving the recent window.
-        past_sink = positions.masked_fill(positions < self.sink, torch.iinfo(positions.dtype).max)
-        return past_sink.argmin(dim=-1, keepdim=True)
-
     def fit(self, capacity: int) -> None:
         self.recent = max(1, capacity - self.sink)
 
@@ -140,9 +119,9 @@ class H2OPolicy(EvictionPolicy):
     """Heavy-Hitter Oracle: sink + recent window + the ``heavy`` highest-scored of the rest.
 
     ``norm="sum"`` ranks by accumulated attention, as in the paper. ``norm="mean"`` divides
-    it by the number of queries the slot has received (``seen - position``, with ``seen``
-    the newest position + 1): raw sums favour old slots, which simply had more queries to
-    collect mass from (the tuning study in the README measures both).
+    it by the number of queries the slot has received (``seen - position``): raw sums
+    favour old slots, which simply had more queries to collect mass from (the tuning
+    study in the benchmarks measures both).
     """
 
     name = "h2o"
@@ -151,44 +130,14 @@ class H2OPolicy(EvictionPolicy):
     def __init__(self, heavy: int, recent: int, sink: int = 0, norm: str = "sum") -> None:
         self.heavy, self.recent, self.sink = heavy, recent, sink
         self.norm = check_field("cache.score_norm", norm)
+        self.ranking = RANK_MEAN if norm == "mean" else RANK_SCORE
 
     @property
     def capacity(self) -> int:
         return self.sink + self.heavy + self.recent
 
-    def keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        n = scores.shape[-1]
-        if self.norm == "mean":
-            seen = positions.amax(dim=-1, keepdim=True) + 1
-            scores = scores / (seen - positions).clamp(min=1).to(scores.dtype)
-        middle = scores[..., self.sink : n - self.recent]
-        if n == self.capacity + 1:
-            # One slot over budget, as at every decode step: drop the lowest-ranked middle
-            # slot, the newest of equals (what the stable sort below drops), without
-            # sorting. The flip makes argmin, which returns the first minimum, find the last.
-            drop = self.sink + middle.shape[-1] - 1 - middle.flip(-1).argmin(dim=-1, keepdim=True)
-            kept = torch.arange(n - 1, device=scores.device).expand(*scores.shape[:-1], -1)
-            return kept + (kept >= drop)
-        # A stable sort makes ties (e.g. slots that never received attention) keep the
-        # older slot, so the choice is deterministic and matches the reference rule.
-        order = torch.sort(middle, dim=-1, descending=True, stable=True).indices
-        heavy = order[..., : self.heavy] + self.sink
-        window = window_indices(n, self.sink, self.recent, scores.device)
-        return torch.cat([window.expand(*scores.shape[:-1], -1), heavy], dim=-1)
-
-    def drop_one(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        newest = positions.amax(dim=-1, keepdim=True)
-        if self.norm == "mean":
-            scores = scores / (newest + 1 - positions).clamp(min=1).to(scores.dtype)
-        middle = (positions >= self.sink) & (positions <= newest - self.recent)
-        scores = scores.masked_fill(~middle, float("inf"))
-        lowest = scores == scores.amin(dim=-1, keepdim=True)
-        # The newest of equally low slots, as ``keep`` drops.
-        return positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
-
     def fit(self, capacity: int) -> None:
-        # Pins take heavy-hitter slots: the recent window stays whole, so ``drop_one``'s
-        # reading of it (never evicted) holds.
+        # Pins take heavy-hitter slots: the windows stay whole.
         self.heavy = max(0, capacity - self.sink - self.recent)
 
     def describe(self) -> dict[str, int | str]:

@@ -14,6 +14,7 @@ neighbours, which may be gone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,8 +54,13 @@ class SlotCodec:
         raise NotImplementedError
 
     def read(self, held: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The stored quantity of the ``held`` slot views, as ``dtype``."""
+        """The stored quantity of the ``held`` slot views, as ``dtype``: a copy of its own
+        wherever the storage is not ``exact`` for ``dtype``."""
         raise NotImplementedError
+
+    def exact(self, dtype: torch.dtype) -> bool:
+        """Whether values of ``dtype`` are stored as they are (read back as views)."""
+        return False
 
     def layout(self, name: str, dim: int, model_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
         """Each buffer's dtype and last-dimension length, by buffer name."""
@@ -77,6 +83,9 @@ class FloatCodec(SlotCodec):
 
     def read(self, held, name, dtype):
         return held[name].to(dtype)
+
+    def exact(self, dtype):
+        return self._dtype(dtype) == dtype
 
     def layout(self, name, dim, model_dtype):
         return {name: (self._dtype(model_dtype), dim)}
@@ -108,38 +117,35 @@ class GroupQuantCodec(SlotCodec):
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``(..., dim)`` as (codes ``(..., dim * bits / 8)`` uint8, scale, min)."""
         grouped = x.float().unflatten(-1, (-1, self.group_size(x.shape[-1]))).clamp(-_HALF_MAX, _HALF_MAX)
-        low = grouped.amin(dim=-1)
+        low, high = torch.aminmax(grouped, dim=-1)
         # float16 minimum rounded down and scale rounded up, so that every value of the
         # group lies within min .. min + levels * scale and rounds to its nearest code.
         minimum = low.half()
-        minimum = torch.where(minimum.float() > low, torch.nextafter(minimum, minimum.new_tensor(-_HALF_MAX)),
-                              minimum)
-        span = (grouped.amax(dim=-1) - minimum.float()) / self.levels
+        lowest = minimum.float()
+        minimum = torch.nextafter(minimum, torch.where(lowest > low, _limit(minimum, -_HALF_MAX), minimum))
+        lowest = minimum.float()
+        span = (high - lowest) / self.levels
         scale = span.half()
-        scale = torch.where(scale.float() < span, torch.nextafter(scale, scale.new_tensor(_HALF_MAX)), scale)
-        safe = scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
-        codes = ((grouped - minimum.float()[..., None]) / safe).round_().clamp_(0, self.levels)
+        scale = torch.nextafter(scale, torch.where(scale.float() < span, _limit(scale, _HALF_MAX), scale))
+        safe = scale.float().clamp_(min=torch.finfo(torch.float16).tiny)
+        codes = ((grouped - lowest[..., None]) / safe[..., None]).round_().clamp_(0, self.levels)
         codes = codes.to(torch.uint8).flatten(-2)
         if self.bits == 4:
             # Byte j holds channel j (low nibble) and channel j + dim/2 (high): decoding
             # then writes two contiguous halves instead of interleaving.
-            half = codes.shape[-1] // 2
-            codes = codes[..., :half] | (codes[..., half:] << 4)
+            low_half, high_half = codes.chunk(2, dim=-1)
+            codes = low_half | (high_half << 4)
         return codes, scale, minimum
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
         if self.bits == 4:
-            values = torch.empty((*codes.shape[:-1], 2, codes.shape[-1]), dtype=torch.float32, device=codes.device)
-            values[..., 0, :] = codes & 15
-            values[..., 1, :] = codes >> 4
-            values = values.flatten(-2)
-        else:
-            values = codes.to(torch.float32)
-        # In place on the one float copy: this runs over every held slot at every step.
-        grouped = values.unflatten(-1, (scale.shape[-1], -1))
-        grouped.mul_(scale[..., None]).add_(minimum[..., None])
-        return values.to(dtype)
+            # Both nibbles of every byte at once: (..., 2, dim / 2), low nibbles first.
+            codes = ((codes.unsqueeze(-2) >> _nibble_shifts(codes.device)) & 15).flatten(-2)
+        # In float32 whatever ``dtype``: a bfloat16 scale would lose the float16 one's bits.
+        grouped = codes.to(torch.float32).unflatten(-1, (scale.shape[-1], -1))
+        values = torch.addcmul(minimum.float()[..., None], grouped, scale.float()[..., None])
+        return values.flatten(-2).to(dtype)
 
     def write_at(self, buffers, name, at, x):
         codes, scale, minimum = self.encode(x)
@@ -149,6 +155,21 @@ class GroupQuantCodec(SlotCodec):
 
     def read(self, held, name, dtype):
         return self.decode(held[name], held[f"{name}_scale"], held[f"{name}_min"], dtype)
+
+
+@functools.cache
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def _limit(like: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a scalar tensor like ``like`` (made once per dtype and device)."""
+    return _constant(value, like.dtype, like.device)
+
+
+@functools.cache
+def _nibble_shifts(device: torch.device) -> torch.Tensor:
+    return torch.tensor([[0], [4]], dtype=torch.uint8, device=device)
 
 
 def make_codec(bits: int | None) -> SlotCodec:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .policies import EvictionPolicy
 from .rope import RopeShifter
+from .selection import kept_slots, lowest_slot, middle_slots, ranking_key
 
 # Each slot's bookkeeping beside its key and value, by buffer name.
 SLOT_METADATA = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool, "pinned": torch.bool}
@@ -32,42 +33,42 @@ def grown_size(size: int, slots: int, held: int, capacity: int | None, pinned: i
     return grown
 
 
-def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPolicy,
-                rope: RopeShifter | None) -> int:
-    """Evict the slots ``policy`` drops from ``buffers`` (``(batch, heads, size, ...)``,
-    the first ``held`` slots in use) and return the new number of slots held. With
-    rolling (a ``rotated_at`` buffer), kept keys get their new ranks, and ``rope`` rotates
-    them there where they are rotated in place.
+@dataclass(frozen=True)
+class RowBounds:
+    """What the eviction rule needs of a cache beside its slots, from the host (the same for
+    every layer): pinned slots per head, tokens seen, and per batch row the windows
+    ``[start, end)`` (``spans.ProtectedSpans.windows``) and the ranking (``RANK_*``), as
+    ints or tensors of ``(batch, 1, 1)``."""
 
-    ``heads`` may be the KV heads of one layer or of several stacked layers: the policy
+    pinned: int
+    seen: int
+    start: int | torch.Tensor
+    end: int | torch.Tensor
+    ranking: int | torch.Tensor
+
+
+def evict_slots(buffers: dict[str, torch.Tensor], held: int, capacity: int | None, bounds: RowBounds,
+                rope: RopeShifter | None) -> int:
+    """Evict from ``buffers`` (``(batch, heads, size, ...)``, the first ``held`` slots in
+    use) what the rule drops down to ``capacity`` unpinned slots, and return the new
+    number of slots held. With rolling (a ``rotated_at`` buffer), kept keys get their new
+    ranks, and ``rope`` rotates them there where they are rotated in place.
+
+    ``heads`` may be the KV heads of one layer or of several stacked layers: the rule
     decides per head, so one call serves a whole ``SlotGroup``.
     """
-    capacity = policy.capacity
-    if capacity is None:
+    if capacity is None or held - bounds.pinned <= capacity:
         return held
-    pinned = buffers["pinned"][:, :, :held]
-    n_pinned = int(pinned[0, 0].sum())
-    n_free = held - n_pinned
-    if n_free <= capacity:
-        return held
-    positions = buffers["positions"][:, :, :held]
-    scores = buffers["scores"][:, :, :held]
-    drop = policy.drop_one(scores, positions) if n_pinned == 0 and n_free == capacity + 1 else None
-    if drop is not None:
-        # The last slot moves into the dropped one (onto itself where it is the one).
-        for buffer in buffers.values():
-            index = drop.view(*drop.shape, *[1] * (buffer.dim() - 3)).expand(*drop.shape, *buffer.shape[3:])
-            buffer.scatter_(2, index, buffer[:, :, held - 1 : held].clone())
-        if "rotated_at" in buffers:
-            _roll_to_ranks(buffers, held - 1, rope)
+    over = held - bounds.pinned - capacity
+    held_slots = {name: buffer[:, :, :held] for name, buffer in buffers.items()}
+    positions, pinned = held_slots["positions"], held_slots["pinned"]
+    key = ranking_key(bounds.ranking, held_slots["scores"], positions, bounds.seen)
+    middle = middle_slots(positions, pinned, bounds.start, bounds.end)
+    if over == 1:  # as at every decode step: no sort
+        drop_newest_into(held_slots, lowest_slot(key, positions, middle), held - 1, None, rope)
         return held - 1
-    # The policy sees the evictable slots oldest first (pinned ones sort last).
-    order_key = positions.masked_fill(pinned, torch.iinfo(torch.long).max)
-    free = order_key.argsort(dim=-1)[..., :n_free]
-    chosen = policy.keep(scores.gather(-1, free), positions.gather(-1, free))
-    chosen = free.gather(-1, chosen.expand(*free.shape[:-1], -1))
-    keep = pinned.scatter(-1, chosen, True)
-    new_held = held - (n_free - capacity)
+    keep = kept_slots(key, positions, pinned, middle, capacity)
+    new_held = held - over
     # Slots are not kept in temporal order: the kept slots past ``new_held`` move into the
     # dropped slots before it. Per head both are equally many, and ``nonzero`` lists them
     # in (row, head, slot) order, so the j-th hole of a head pairs with its j-th mover.
@@ -79,6 +80,40 @@ def evict_slots(buffers: dict[str, torch.Tensor], held: int, policy: EvictionPol
     if "rotated_at" in buffers:
         _roll_to_ranks(buffers, new_held, rope)
     return new_held
+
+
+def drop_newest_into(buffers: dict[str, torch.Tensor], drop: torch.Tensor, newest: int | torch.Tensor,
+                     evicts: torch.Tensor | None, rope: RopeShifter | None) -> None:
+    """Per head, move slot ``newest`` into slot ``drop`` (``(..., 1)`` indices; ``newest``
+    broadcasts to them), where ``evicts`` (None: everywhere) is set: the dropped slot
+    is gone, and nothing else moves. ``buffers`` hold slots on the dimension after the
+    leading ones of ``drop`` (``positions``' last). Elsewhere the newest slot moves onto
+    itself. With rolling, every kept key newer than the dropped one moves down a rank."""
+    slot_dim = drop.dim() - 1
+    newest = torch.as_tensor(newest, device=drop.device).expand_as(drop)
+    target = drop if evicts is None else torch.where(evicts, drop, newest)
+    dropped_position = buffers["positions"].gather(slot_dim, target) if "rotated_at" in buffers else None
+    for buffer in buffers.values():
+        trailing = (1,) * (buffer.dim() - drop.dim())
+        shape = (*target.shape, *buffer.shape[drop.dim():])
+        moved = buffer.gather(slot_dim, newest.view(*newest.shape, *trailing).expand(shape))
+        buffer.scatter_(slot_dim, target.view(*target.shape, *trailing).expand(shape), moved)
+    if dropped_position is not None:
+        _rank_down(buffers, dropped_position, evicts, rope)
+
+
+def _rank_down(buffers: dict[str, torch.Tensor], dropped_position: torch.Tensor, evicts: torch.Tensor | None,
+               rope: RopeShifter | None) -> None:
+    """After one slot per head is dropped: every key newer than it is one rank lower, and
+    is rotated there where keys are rotated in place."""
+    lower = buffers["positions"] > dropped_position
+    if evicts is not None:
+        lower &= evicts
+    rotated_at = buffers["rotated_at"]
+    rotated_at.sub_(lower.to(rotated_at.dtype))
+    if rope is not None:
+        keys = buffers["keys"]
+        keys.copy_(rope.shift(keys, -lower.to(torch.long)))
 
 
 def _roll_to_ranks(buffers: dict[str, torch.Tensor], held: int, rope: RopeShifter | None) -> None:
@@ -98,12 +133,14 @@ def _roll_to_ranks(buffers: dict[str, torch.Tensor], held: int, rope: RopeShifte
 class SlotMember(Protocol):
     """What a ``SlotGroup`` needs of a member layer (``H2OLayer``)."""
 
-    policy: EvictionPolicy
     key_rotation: RopeShifter | None  # rotates kept keys in place when rolling moves them
     held: int  # slots in use: the first ``held`` of the layer's buffers
 
     @property
     def size(self) -> int: ...
+
+    def eviction_rule(self) -> tuple[int | None, RowBounds]:
+        """The unpinned slots kept at rest (None: unbounded) and what else the rule needs."""
 
     def held_slots(self) -> dict[str, torch.Tensor]:
         """The layer's buffers by name, ``(batch, kv_heads, held, ...)`` views."""
@@ -191,10 +228,12 @@ class SlotGroup:
         self._adopt({name: grow(t) for name, t in self.buffers.items()})
 
     def relocate(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Move what the group holds into ``buffers`` (shaped as its own, e.g. a row of a
-        ``RowPool``) and keep those from now on."""
+        """Move what the group holds into ``buffers`` (shaped as its own but for the number
+        of slots, e.g. a row of a ``RowPool``; room for every slot held) and keep those
+        from now on."""
         for name, t in buffers.items():
-            t.copy_(self.buffers[name])
+            kept = min(t.shape[3], self.buffers[name].shape[3])
+            t[:, :, :, :kept].copy_(self.buffers[name][:, :, :, :kept])
         self._adopt(buffers)
 
     def dissolve(self) -> None:
@@ -213,7 +252,8 @@ class SlotGroup:
             if end < len(layers) and layers[end].held == layers[start].held:
                 continue
             flat = {name: _side_by_side(t[:, start:end]) for name, t in self.buffers.items()}
-            held = evict_slots(flat, layers[start].held, layers[start].policy, layers[start].key_rotation)
+            capacity, bounds = layers[start].eviction_rule()
+            held = evict_slots(flat, layers[start].held, capacity, bounds, layers[start].key_rotation)
             for layer in layers[start:end]:
                 layer.held = held
             start = end

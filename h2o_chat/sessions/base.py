@@ -20,8 +20,10 @@ import torch
 
 from ..config import CacheConfig
 from ..engine.build import cache_from_config
-from ..engine.cache import CacheStats, H2OCache
-from ..generation import FinishReason, Generation, PassObserver, Sampling
+from ..engine.cache import H2OCache
+from ..engine.stats import CacheStats
+from ..generation import FinishReason, Generation, PassObserver
+from ..sampling import Sampling
 from ..inputs import InputLimits, shorten
 from ..loading import eos_token_ids
 from ..scheduler import BatchScheduler, TakeTurns, scheduler_for

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from ..config import CacheConfig, GenerationConfig
 from ..engine.build import cache_from_config
 from ..engine.cache import H2OCache
-from ..generation import Sampling
+from ..sampling import Sampling
 from ..inputs import InputError, InputLimits, check_chat_turn, check_conversation
 from ..scheduler import BatchScheduler, TakeTurns
 from .base import Session

@@ -9,7 +9,7 @@ import torch
 
 from ..config import CacheConfig
 from ..engine.cache import H2OCache
-from ..generation import Sampling
+from ..sampling import Sampling
 from ..inputs import InputError, InputLimits, check_story_turn, check_system_prompt
 from ..scheduler import BatchScheduler, TakeTurns
 from .base import Session

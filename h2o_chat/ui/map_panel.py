@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import gradio as gr
 
-from h2o_chat.engine.cache import CacheStats
+from h2o_chat.engine.stats import CacheStats
 from h2o_chat.runtime import LoadedModel
 
 from . import retention

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import gradio as gr
 
-from h2o_chat.engine.cache import CacheStats
+from h2o_chat.engine.stats import CacheStats
 from h2o_chat.sessions import Pin, Session
 
 from .refusals import Refusal, warn

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from h2o_chat.engine.cache import CacheStats
+from h2o_chat.engine.stats import CacheStats
 
 # Above this many tokens the map shows the newest ones only: the browser rebuilds the
 # whole map at the end of each reply, and a few thousand tokens keep that cheap.

@@ -1,0 +1,163 @@
+"""The decode step's cost as conversations are added: what one scheduler step costs.
+
+``python -m h2o_chat.bench step [--threads 1] [--step-rows 1,16,32] [--step-history 512] [--step-slots 128]``
+
+Conversations with unlike histories (each its own passage of the book, behind a pinned
+system prompt, as the app's chats are), each in a bounded cache of ``--step-slots``
+slots, float32 and 8-bit keys / 4-bit values, decode as the scheduler decodes them: one
+``DecodeStep`` for every row, then every row's next token drawn at once with the app's
+sampling settings. Per precision and row count: tensor operations issued per step and
+reads of the device (torch.profiler, deterministic), and the median time of a step over
+rounds that alternate the row counts in one process.
+
+``profile_step`` is also what the GPU check reports for the path the app runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from h2o_chat.config import GenerationConfig
+from h2o_chat.engine.build import make_cache
+from h2o_chat.engine.step import DecodeStep
+from h2o_chat.sampling import Draw, Sampling, draw_tokens
+from h2o_chat.scheduler import forward_one
+
+from . import data
+from .report import md_table
+
+PRECISIONS = {"float32": {}, "K8/V4": dict(key_bits=8, value_bits=4)}
+SYSTEM_TOKENS = 24  # the pinned system prompt's share of each history
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_step(run: Callable[[], object], device: torch.device) -> dict:
+    """One call of ``run`` under torch.profiler: tensor operations issued from Python (the
+    top-level aten calls), reads of the device by the host, and on CUDA the kernels the
+    GPU ran, the launches the host made (a graph replay is one) and the GPU's busy time
+    against the wall time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        wall = time.perf_counter() - started
+    events = prof.events()
+    ops = sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::"))
+    scalar_reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
+    result = {"ops": ops, "host_reads": scalar_reads, "wall_ms": 1000 * wall}
+    if device.type == "cuda":
+        device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+        copies_back = sum(1 for e in device_events if "DtoH" in e.name)
+        result |= {"host_reads": scalar_reads + copies_back,
+                   "kernels": sum(1 for e in device_events if "Memcpy" not in e.name and "Memset" not in e.name),
+                   "launches": sum(1 for e in events if e.name in _LAUNCHES),
+                   "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in device_events) / 1000}
+    return result
+
+
+def conversations(model, tokenizer, count: int, history: int, slots: int, storage: dict) -> list:
+    """``count`` caches that read unlike histories of ``history`` tokens, the first
+    ``SYSTEM_TOKENS`` pinned."""
+    ids = tokenizer(data.read_text(data.BOOK), add_special_tokens=False).input_ids
+    stride = max(1, (len(ids) - history) // max(1, count))
+    caches = []
+    with torch.inference_mode():
+        for index in range(count):
+            cache = make_cache(model, "h2o", heavy=(slots - 4) // 2, recent=(slots - 4) - (slots - 4) // 2,
+                               sink=4, **storage)
+            cache.protect(0, SYSTEM_TOKENS)
+            passage = torch.tensor([ids[index * stride : index * stride + history]], device=model.device)
+            for piece in passage.split(256, dim=1):
+                forward_one(model, cache, piece)
+            cache.fit_for_decoding()
+            caches.append(cache)
+    return caches
+
+
+def stepper(model, caches: list, seed: int = 0) -> Callable[[], list[int]]:
+    """One scheduler step of ``caches`` per call, each row feeding the token it drew last."""
+    step = DecodeStep()
+    settings = GenerationConfig()
+    draws = [Draw(Sampling(temperature=settings.temperature, top_p=settings.top_p),
+                  torch.Generator().manual_seed(seed + row)) for row in range(len(caches))]
+    tokens = [0] * len(caches)
+
+    def run() -> list[int]:
+        with torch.inference_mode():
+            logits = step(model, caches, tokens)
+            tokens[:] = draw_tokens(logits, list(range(len(caches))), draws)
+        return tokens
+
+    return run
+
+
+def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int, steps: int, log=print) -> dict:
+    device = model.device
+    results = []
+    for precision, storage in PRECISIONS.items():
+        runs = {}
+        for count in rows:
+            runs[count] = stepper(model, conversations(model, tokenizer, count, history, slots, storage))
+            for _ in range(3):  # the rows join the pools; graphs are captured on CUDA
+                runs[count]()
+            results.append({"precision": precision, "rows": count} | profile_step(runs[count], device))
+        seconds = {count: [] for count in rows}
+        for index in range(rounds):
+            order = rows[index % len(rows):] + rows[: index % len(rows)]
+            for count in order:
+                synchronize(device)
+                started = time.perf_counter()
+                for _ in range(steps):
+                    runs[count]()
+                synchronize(device)
+                seconds[count].append((time.perf_counter() - started) / steps)
+        for result in results:
+            if result["precision"] == precision:
+                result["step_ms"] = 1000 * statistics.median(seconds[result["rows"]])
+                result["step_ms_runs"] = [1000 * s for s in seconds[result["rows"]]]
+        log(f"step {precision}: " + ", ".join(f"{r['rows']} rows {r['step_ms']:.1f} ms, {r['ops']} ops"
+                                               for r in results if r["precision"] == precision))
+    return {"rows": rows, "history": history, "slots": slots, "results": results, "targets": targets(results)}
+
+
+def targets(results: list[dict]) -> list[str]:
+    """The issue's CPU targets, from one run."""
+    by = {(r["precision"], r["rows"]): r for r in results}
+    lines = []
+    counts = sorted({r["rows"] for r in results})
+    one, most = counts[0], counts[-1]
+    for precision in PRECISIONS:
+        alone, many = by.get((precision, one)), by.get((precision, most))
+        if alone is None or many is None or one == most:
+            continue
+        lines.append(f"{precision}: tensor ops per step at {most} rows / at {one}: "
+                     f"{many['ops'] / alone['ops']:.2f}x (target <= 1.5x); host reads per step "
+                     f"{max(r['host_reads'] for r in results if r['precision'] == precision)} at most (target <= 2); "
+                     f"a row at {most} rows costs {many['step_ms'] / most / alone['step_ms']:.3f}x its "
+                     f"{one}-row step (target <= 0.2x)")
+    if ("float32", one) in by and ("K8/V4", one) in by:
+        lines.append(f"K8/V4 {one}-row step / float32: "
+                     f"{by['K8/V4', one]['step_ms'] / by['float32', one]['step_ms']:.2f}x (target <= 1.1x)")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    table = md_table(["slots", "rows", "tensor ops / step", "host reads / step", "step ms", "ms a row"],
+                     [[r["precision"], r["rows"], r["ops"], r["host_reads"], f"{r['step_ms']:.1f}",
+                       f"{r['step_ms'] / r['rows']:.2f}"] for r in result["results"]])
+    head = (f"Each row: {result['history']} tokens of its own passage of the book read (the first "
+            f"{SYSTEM_TOKENS} pinned), h2o with {result['slots']} slots; the app's sampling.")
+    return "\n\n".join([head, table, "\n".join(f"- {line}" for line in result["targets"])])

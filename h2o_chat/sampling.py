@@ -1,0 +1,133 @@
+"""Drawing the next tokens of every row of a pass at once: greedy or nucleus sampling.
+
+What a row's draw needs from the device is small: its most likely token, or the few
+hundred most likely tokens with their probabilities, among which a nucleus nearly always
+lies. So the device ranks every row at once and the host reads the ranking of all rows
+in one transfer; each seeded row then draws with its own generator on the host, so a
+row's tokens do not depend on the rows beside it. Only a row whose nucleus reaches past
+those candidates (a very flat distribution, or ``top_p`` 1) reads its whole distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, GenerationConfig, check_field
+from .inputs import InputError
+
+# The most likely tokens looked at first for a nucleus.
+NUCLEUS_CANDIDATES = 256
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    temperature: float = GenerationConfig.temperature  # 0 = greedy
+    top_p: float = GenerationConfig.top_p
+    seed: int | None = None
+    # The end-of-turn token is not sampled before this many tokens (benchmarks ask for
+    # replies of an exact length; max_new_tokens makes the end never come).
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # The same rules as the config file's generation section, so messages match; a
+        # caller's values are input from outside, refused as such.
+        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+            try:
+                setattr(self, name, check_field(f"generation.{name}", getattr(self, name)))
+            except ConfigError as err:
+                raise InputError(str(err), name) from None
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise InputError(f"min_new_tokens = {self.min_new_tokens!r}: must be an integer from 0 "
+                             f"to max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
+
+
+@dataclass
+class Draw:
+    """One row's next token to draw: per ``sampling``, with ``generator`` where seeded,
+    never one of ``banned`` (token ids; None: any)."""
+
+    sampling: Sampling
+    generator: torch.Generator | None = None
+    banned: torch.Tensor | None = None
+
+
+def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> list[int]:
+    """The token ``draws[i]`` draws from row ``rows[i]`` of ``logits`` ``(batch, vocab)``.
+    The banned tokens are written into ``logits``."""
+    _ban(logits, rows, draws)
+    greedy = [i for i, draw in enumerate(draws) if draw.sampling.temperature == 0]
+    sampled = [i for i, draw in enumerate(draws) if draw.sampling.temperature > 0]
+    parts, probs = [], None
+    if greedy:
+        parts.append(logits[_index([rows[i] for i in greedy], logits)].argmax(dim=-1).to(torch.float64))
+    if sampled:
+        temperatures = torch.tensor([[draws[i].sampling.temperature] for i in sampled], device=logits.device)
+        probs = torch.softmax(logits[_index([rows[i] for i in sampled], logits)].float() / temperatures, dim=-1)
+        top, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
+        parts += [top.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+    # One read of the device for every row (float64 holds token ids exactly).
+    host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
+    tokens = [0] * len(draws)
+    for i, token in zip(greedy, host[: len(greedy)].long().tolist()):
+        tokens[i] = token
+    if sampled:
+        candidates = host[len(greedy) :].view(2, len(sampled), -1)
+        for j, i in enumerate(sampled):
+            tokens[i] = _draw(candidates[0, j].float(), candidates[1, j].long(), probs[j], draws[i])
+    return tokens
+
+
+def _index(rows: list[int], logits: torch.Tensor) -> slice | torch.Tensor:
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=logits.device)
+
+
+def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
+    """Every row's banned tokens to -inf, in one write."""
+    bans = [(row, draw.banned) for row, draw in zip(rows, draws) if draw.banned is not None and draw.banned.numel()]
+    if bans:
+        which = torch.cat([torch.full_like(banned, row) for row, banned in bans]).to(logits.device)
+        tokens = torch.cat([banned for _, banned in bans]).to(logits.device)
+        logits.index_put_((which, tokens), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def _draw(top: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, draw: Draw) -> int:
+    """One sampled row's token from its most likely tokens ``top``/``ids`` (descending), or
+    from its whole distribution ``probs`` (read now) where the nucleus reaches past them.
+
+    Drawn as ``torch.multinomial`` draws from the whole distribution with the nucleus
+    kept (the token maximising probability / Exp(1) noise, one noise value per token of
+    the vocabulary), so a seed gives the same tokens either way."""
+    top_p, vocab = draw.sampling.top_p, probs.shape[-1]
+    before = top.cumsum(-1) - top  # the mass of the more likely candidates
+    if top_p < 1 and (before[-1] >= top_p or len(top) == vocab):
+        kept = before < top_p
+        noise = torch.empty(vocab).exponential_(1, generator=draw.generator)
+        candidates = ids[kept]
+        return candidates[(top[kept] / noise[candidates]).argmax()].tolist()
+    whole = probs.cpu()
+    if top_p < 1:
+        whole = nucleus(whole, top_p)
+    return torch.multinomial(whole, 1, generator=draw.generator).tolist()[0]
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` ``(vocab,)`` with every token zeroed but the smallest set of the most likely
+    whose mass reaches ``top_p`` (always at least one). Sorting the whole vocabulary took
+    3.5 ms a sampled token on the development machine: at 32 rows, over half as long as
+    the decode step's model pass (6 ms a row); the nucleus nearly always lies among the
+    few hundred most likely tokens, so those are ranked first (0.2 ms) and the whole
+    vocabulary only where they do not reach ``top_p``."""
+    ranked, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
+    before = ranked.cumsum(-1) - ranked  # the mass of the more likely tokens
+    if before[-1] < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them
+        ranked, order = probs.sort(descending=True)
+        before = ranked.cumsum(-1) - ranked
+    kept = order[before < top_p]
+    chosen = torch.zeros_like(probs)
+    chosen[kept] = probs[kept]
+    return chosen
