@@ -42,9 +42,18 @@ class StepGraphs:
         second, replayed from then on. The logits returned by a replay are the graph's own
         buffer: read them before the next step."""
         captured = self._captured.get(key)
-        if self.failure is not None or (captured is None and key not in self._warm):
-            self._warm.add(key)
+        if self.failure is not None:
             return step(plan.to(self.device))
+        if captured is None and key not in self._warm:
+            # The eager run that warms up what the kernels need on first use (libraries'
+            # handles and workspaces), on the stream the capture will use.
+            self._warm.add(key)
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                logits = step(plan.to(self.device))
+            current.wait_stream(self._stream)
+            return logits
         if captured is None:
             try:
                 captured = self._capture(key, plan, step)
