@@ -209,8 +209,8 @@ class Rows:
         return seconds, peak
 
     def close(self) -> None:
-        for cache in self.caches:
-            self.step.release(cache)
+        """Drop the rows with the step: no conversation moves out of its pool into buffers
+        of its own (what a turn's end does), which a full device would not have room for."""
         self.caches = []
         self.step = None
 

@@ -377,7 +377,10 @@ def write_bookkeeping(buffers: dict[str, torch.Tensor], at: tuple, positions: to
     """New slots' bookkeeping at index ``at`` of the buffers: no score yet, their absolute
     ``positions``, real tokens, ``pinned`` where protected (both shaped to broadcast
     over what ``at`` selects)."""
-    buffers["scores"][at] = 0
+    # Values made on the device: a Python number would be copied from host memory, which
+    # a CUDA graph cannot capture.
+    device = buffers["scores"].device
+    buffers["scores"][at] = torch.zeros((), dtype=torch.float32, device=device)
     buffers["positions"][at] = positions
-    buffers["valid"][at] = True
+    buffers["valid"][at] = torch.ones((), dtype=torch.bool, device=device)
     buffers["pinned"][at] = pinned

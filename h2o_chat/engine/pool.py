@@ -126,8 +126,10 @@ class RowPool:
         for row, member in enumerate(self._members):
             if member() is cache:
                 group = cache.whole_group()
-                group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
-                cache.unstack()
+                if cache.policy.capacity is None and len(group) > 1:
+                    cache.unstack()  # a group per layer again, each copied out of the row
+                else:
+                    group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
                 self._drop_row(row)
                 self._shrink()
                 return

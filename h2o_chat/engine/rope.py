@@ -20,6 +20,14 @@ class RopeShifter:
     def __init__(self, inv_freq: torch.Tensor) -> None:
         # float64 angles: a shift by tens of thousands of positions keeps its precision.
         self.inv_freq = inv_freq.detach().double()
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        """The frequencies on ``device``, copied there once (a CUDA graph captures no copy
+        from host memory)."""
+        if device not in self._on:
+            self._on[device] = self.inv_freq.to(device)
+        return self._on[device]
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> RopeShifter:
@@ -34,7 +42,7 @@ class RopeShifter:
         """``x`` (..., head_dim) moved by ``by`` positions: an int, or a tensor shaped like
         ``x.shape[:-1]`` (one shift per vector)."""
         by = torch.as_tensor(by, device=x.device)
-        angles = by[..., None].double() * self.inv_freq.to(x.device)
+        angles = by[..., None].double() * self._frequencies(x.device)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(torch.float32), angles.sin().to(torch.float32)
         moved = x.float() * cos + _rotate_half(x.float()) * sin
