@@ -4,14 +4,16 @@ What a row's draw needs from the device is small: its most likely token, or the 
 hundred most likely tokens with their probabilities, among which a nucleus nearly always
 lies. So the device ranks every row at once and the host reads the ranking of all rows
 in one transfer; each seeded row then draws with its own generator on the host, so a
-row's tokens do not depend on the rows beside it. Only a row whose nucleus reaches past
-those candidates (a very flat distribution, or ``top_p`` 1) reads its whole distribution.
+row's tokens do not depend on the rows beside it. The rows whose nucleus reaches past
+those candidates (a very flat distribution, or ``top_p`` 1) read their whole
+distributions in a second transfer, all at once: two reads a step at most.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import ConfigError, GenerationConfig, check_field
@@ -74,10 +76,27 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     for i, token in zip(greedy, host[: len(greedy)].long().tolist()):
         tokens[i] = token
     if sampled:
-        candidates = host[len(greedy) :].view(2, len(sampled), -1)
+        top, ids = host[len(greedy) :].view(2, len(sampled), -1)
+        top = top.float()
+        # The mass of the more likely candidates, every row at once (as ``nucleus`` sums it).
+        before = (top.cumsum(-1) - top).numpy()
+        top, ids = top.numpy(), ids.long().numpy()
+        vocab = probs.shape[-1]
+        beyond = [j for j, i in enumerate(sampled) if not _within(before[j], draws[i].sampling.top_p, vocab)]
+        outside = set(beyond)
         for j, i in enumerate(sampled):
-            tokens[i] = _draw(candidates[0, j].float(), candidates[1, j].long(), probs[j], draws[i])
+            if j not in outside:
+                tokens[i] = _draw(top[j], ids[j], before[j], draws[i].sampling.top_p, vocab, draws[i].generator)
+        if beyond:  # a second read, of every such row at once
+            whole = probs[torch.tensor(beyond, device=probs.device)].cpu()
+            for row, j in zip(whole, beyond):
+                tokens[sampled[j]] = _draw_from(row, draws[sampled[j]])
     return tokens
+
+
+def _within(before: np.ndarray, top_p: float, vocab: int) -> bool:
+    """Whether a row's nucleus lies among its candidates (their preceding masses ``before``)."""
+    return top_p < 1 and (before[-1] >= top_p or len(before) == vocab)
 
 
 def _index(rows: list[int], logits: torch.Tensor) -> slice | torch.Tensor:
@@ -95,24 +114,24 @@ def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
         logits.index_put_((which, tokens), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
-def _draw(top: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, draw: Draw) -> int:
-    """One sampled row's token from its most likely tokens ``top``/``ids`` (descending), or
-    from its whole distribution ``probs`` (read now) where the nucleus reaches past them.
+def _draw(top: np.ndarray, ids: np.ndarray, before: np.ndarray, top_p: float, vocab: int,
+          generator: torch.Generator | None) -> int:
+    """A sampled row's token from its nucleus among its most likely tokens ``top``/``ids``
+    (descending; ``before``: the mass of the more likely ones). Drawn as
+    ``torch.multinomial`` draws from the whole distribution with the nucleus kept (the
+    token maximising probability / Exp(1) noise, one noise value per token of the
+    vocabulary), so a seed gives the tokens ``_draw_from`` would."""
+    kept = before < top_p
+    noise = torch.empty(vocab).exponential_(1, generator=generator).numpy()
+    candidates = ids[kept]
+    return int(candidates[np.argmax(top[kept] / noise[candidates])])
 
-    Drawn as ``torch.multinomial`` draws from the whole distribution with the nucleus
-    kept (the token maximising probability / Exp(1) noise, one noise value per token of
-    the vocabulary), so a seed gives the same tokens either way."""
-    top_p, vocab = draw.sampling.top_p, probs.shape[-1]
-    before = top.cumsum(-1) - top  # the mass of the more likely candidates
-    if top_p < 1 and (before[-1] >= top_p or len(top) == vocab):
-        kept = before < top_p
-        noise = torch.empty(vocab).exponential_(1, generator=draw.generator)
-        candidates = ids[kept]
-        return candidates[(top[kept] / noise[candidates]).argmax()].tolist()
-    whole = probs.cpu()
-    if top_p < 1:
-        whole = nucleus(whole, top_p)
-    return torch.multinomial(whole, 1, generator=draw.generator).tolist()[0]
+
+def _draw_from(probs: torch.Tensor, draw: Draw) -> int:
+    """A sampled row's token from its whole distribution ``probs`` (host memory)."""
+    if draw.sampling.top_p < 1:
+        probs = nucleus(probs, draw.sampling.top_p)
+    return torch.multinomial(probs, 1, generator=draw.generator).tolist()[0]
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -124,7 +143,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     vocabulary only where they do not reach ``top_p``."""
     ranked, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
     before = ranked.cumsum(-1) - ranked  # the mass of the more likely tokens
-    if before[-1] < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them
+    if before[-1].tolist() < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them
         ranked, order = probs.sort(descending=True)
         before = ranked.cumsum(-1) - ranked
     kept = order[before < top_p]

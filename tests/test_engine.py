@@ -357,3 +357,24 @@ def test_drop_one_names_the_slot_that_keep_drops(name, pins):
         kept = kept_slots(key, positions, pinned, middle, policy.capacity)
         assert (~kept).sum(-1).eq(1).all()
         assert torch.equal(lowest_slot(key, positions, middle), (~kept).int().argmax(-1, keepdim=True))
+
+
+def test_reserve_gives_a_full_cache_room_and_a_bounded_one_none(tiny_model):
+    from h2o_chat.engine.cache import DECODE_ROOM
+
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    full, bounded = make_cache(tiny_model, "full"), make_cache(tiny_model, "h2o", heavy=8, recent=8)
+    for cache in (full, bounded):
+        feed(tiny_model, cache, ids, 40)
+        cache.fit_for_decoding()
+    # Fitted for decoding: a full cache what it holds and room for a reply; a bounded one
+    # its budget plus one token.
+    assert [layer.size for layer in full.layers] == [40 + DECODE_ROOM] * 3
+    assert [layer.size for layer in bounded.layers] == [17] * 3
+    full.reserve(100)
+    bounded.reserve(100)
+    assert [layer.size for layer in full.layers] == [140] * 3 and [layer.size for layer in bounded.layers] == [17] * 3
+    before = [layer.keys.clone() for layer in full.layers]
+    logits = feed(tiny_model, full, ids[:, :25], 1)  # 25 tokens: no layer moves to new buffers
+    assert all(layer.size == 140 and torch.equal(layer.keys[:, :, :40], kept) for layer, kept in zip(full.layers, before))
+    assert torch.isfinite(logits).all()

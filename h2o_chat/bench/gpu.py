@@ -90,6 +90,8 @@ MEMORY_MARGIN = 0.9
 # Allocations still alive after a run's caches are freed, at most (CUDA only).
 LEFTOVER_BYTES = 8 * MB
 GREEDY = Sampling(temperature=0)
+# Steps a serving run takes beside its timed ones: three to warm up, one profiled.
+STEP_ROOM = 4
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -195,18 +197,26 @@ class Rows:
 
     def timed(self, steps: int, device: torch.device, warm: int = 3) -> tuple[float, PeakMemory]:
         """Seconds for ``steps`` steps after ``warm`` untimed ones (the step runs eagerly
-        once, is captured once), and the peak memory meanwhile."""
+        once, is captured once), and the peak memory of them all (a captured graph holds
+        the memory of its step from its capture on)."""
         if warm:
             self.tokens = [0] * len(self.caches)
-        for _ in range(warm):
-            self()
         with PeakMemory(device) as peak:
+            for _ in range(warm):
+                self()
             started = time.perf_counter()
             for _ in range(steps):
                 self()
             synchronize(device)
             seconds = time.perf_counter() - started
         return seconds, peak
+
+    @property
+    def graphs(self) -> str:
+        """How the steps ran: replayed graphs, or why not."""
+        if self.step.graph_failure:
+            return f"eager: capture failed ({self.step.graph_failure})"
+        return f"{self.step.graph_replays} replays" if self.step.graph_replays else "eager"
 
     def close(self) -> None:
         """Drop the rows with the step: no conversation moves out of its pool into buffers
@@ -229,13 +239,16 @@ def cache_configs(model, history: int, share: float) -> list[tuple[str, Callable
 
 def unlike(model, make: Callable, plan: Plan, count: int, device: torch.device) -> Rows:
     """``count`` conversations as rows: ``plan.bases`` distinct ones read random histories
-    of different lengths (up to ``plan.history``); the rows are copies of them in turn."""
+    of different lengths (up to ``plan.history``); the rows are copies of them in turn.
+    A full cache has room reserved for the steps it will take, as a server would give it
+    for its reply: grown during the run, its pool would reallocate, twice its memory."""
     bases = []
     for index in range(min(count, plan.bases)):
         length = plan.history - index * plan.history // (4 * plan.bases)
         cache = make()
         prefill(model, cache, random_ids(model, length, device, seed=100 + index), plan.chunk)
         cache.fit_for_decoding()
+        cache.reserve(STEP_ROOM + plan.batch_steps)
         bases.append(cache)
     rows = Rows(model, count)
     for index in range(count):
@@ -292,14 +305,16 @@ def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) 
                 costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
             caches = rows.caches
             conversation = kv_numbers(caches[0])[0]
-            step_bytes = max(0, peak.peak - peak.start) / count
+            # What a step takes beyond the caches (activations, a captured graph's pool), from
+            # the allocator on CUDA; a CPU's resident memory moves too much to tell per row.
+            step_bytes = max(0, peak.peak - peak.start) / count if device.type == "cuda" else 0
             sweep.append({"cache": name, "conversations": count, "history": plan.history,
                           "aggregate_tok_s": count * plan.batch_steps / seconds,
                           "per_row_tok_s": plan.batch_steps / seconds,
                           "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
                           "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
-                          "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB})
-            log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate")
+                          "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB, "graphs": rows.graphs})
+            log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate ({rows.graphs})")
             for cache in caches:
                 freed.watch(cache)
             rows.close()
@@ -321,7 +336,8 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
     step = DecodeStep()
     sizes = [n for n in range(1, min(projected, plan.max_rows) + 1) if step.batch_rows(model, n) == n]
     result = {"cache": name, "memory_mb": free / MB, "conversation_mb": conversation / MB,
-              "step_mb_per_row": step_bytes / MB, "projected": projected, "confirmed": None, "aggregate_tok_s": None}
+              "step_mb_per_row": step_bytes / MB, "projected": projected, "confirmed": None, "aggregate_tok_s": None,
+              "graphs": None}
     while sizes:
         count, rows = sizes.pop(), None
         try:
@@ -331,7 +347,7 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
             fitted = False
         else:
             fitted = True
-            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds)
+            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds, graphs=rows.graphs)
         if rows is not None:
             for cache in rows.caches:
                 freed.watch(cache)
@@ -465,9 +481,9 @@ def markdown(result: dict) -> str:
                                [[r["history"], r["cache"], r["decode_tok_s"], f"{r['vs_full']:.2f}×", r["peak_mb"],
                                  r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]))
         blocks.append(md_table(["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated",
-                                "step MiB per row"],
+                                "step MiB per row", "steps"],
                                [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
-                                 r["step_mb_per_row"]] for r in m["serving"]]))
+                                 r["step_mb_per_row"], r["graphs"]] for r in m["serving"]]))
         cuda = result["device"].startswith("cuda")
         blocks.append(md_table(
             ["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
@@ -475,9 +491,9 @@ def markdown(result: dict) -> str:
             [[r["conversations"], r["cache"], r["ops"], r["host_reads"], r["wall_ms"]]
              + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) for r in m["step_costs"]]))
         blocks.append(md_table(["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation",
-                                "memory MiB"],
+                                "memory MiB", "steps"],
                                [[r["cache"], r["projected"], r["confirmed"], r["aggregate_tok_s"], r["conversation_mb"],
-                                 r["memory_mb"]] for r in m["largest_batch"]]))
+                                 r["memory_mb"], r["graphs"]] for r in m["largest_batch"]]))
         blocks.append(md_table(["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
                                [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]]
                                 for r in m["prefill"]]))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import H2OCache
+from .cache import DECODE_ROOM, H2OCache
 from .layer import LiveCounts
 from .pool import RowPool
 from .quant import KVStorage
@@ -28,9 +28,6 @@ from .rope import RopeShifter
 # The columns of a step's plan, one row of integers per batch row.
 TOKEN, ROPE, SLOT, POSITION, PINNED, START, END, EVICTS, RANKING = range(9)
 FIELDS = 9
-# Room a growing row is given beyond its next token when it runs out, so that it is
-# planned from its cache once in so many steps rather than at every step.
-GROWTH = 64
 
 
 @dataclass
@@ -136,7 +133,7 @@ class StepBatch:
         for row in np.flatnonzero(slow):
             cache, seg, index = self.members[row]
             if self.held[row] + 1 > self.size[row]:
-                seg.pool.give_room(index, int(self.held[row]) + 1 + GROWTH)
+                seg.pool.give_room(index, int(self.held[row]) + DECODE_ROOM)
                 self.size[row] = cache.layers[0].size
             plan[row] = plan_row(cache, int(plan[row, TOKEN]))
         self.plan = plan

@@ -21,6 +21,10 @@ from .spans import ProtectedSpans
 from .state import CacheStateMixin
 from .stats import CacheStats, LayerStats
 
+# Room a cache that never evicts keeps for a reply's tokens: it grows by this much at a
+# time as it decodes (in the decode step, with its pool).
+DECODE_ROOM = 64
+
 
 class H2OCache(CacheStateMixin, Cache):
     """A transformers ``Cache`` whose layers evict by an ``EvictionPolicy``; saved and
@@ -56,24 +60,37 @@ class H2OCache(CacheStateMixin, Cache):
             live.leave()
 
     def fit_for_decoding(self) -> None:
-        """Size the buffers for decoding once a prompt is in: the budget plus one token.
-        A bounded cache takes a chunk on top of its budget before evicting, so its buffers
-        grow to budget plus a chunk (twice the budget after a long message); kept, that
-        room doubled the memory of every idle conversation and of every ``RowPool`` row.
-        After a short prompt they hold less than the budget: grown now, a conversation
-        decodes in buffers of one size, whatever its prompt, so the decode step computes
-        the same shapes for it every time. The next prompt grows them again (one copy)."""
+        """Size the buffers for decoding once a prompt is in. A bounded cache: its budget,
+        pins and one token. It takes a chunk on top of its budget before evicting, so its
+        buffers grow to budget plus a chunk (twice the budget after a long message); kept,
+        that room doubled the memory of every idle conversation and of every ``RowPool``
+        row. After a short prompt they hold less than the budget: grown now, a
+        conversation decodes in buffers of one size, whatever its prompt, so the decode
+        step computes the same shapes for it every time. A cache that never evicts: what
+        it holds and ``DECODE_ROOM`` more (its buffers double as a prompt goes in). The next
+        prompt grows them again (one copy)."""
         capacity = self.policy.capacity
-        if capacity is None:
-            return
         for group in self._groups():
             layers = group.layers
+            held = max(layer.held for layer in layers)
             # Held past the budget (eviction held over a prompt fed in passes): all stay.
-            size = max(capacity + layers[0].pinned_slots, *(layer.held for layer in layers)) + 1
+            size = held + DECODE_ROOM if capacity is None else max(capacity + layers[0].pinned_slots, held) + 1
             if layers[0].size != size:
                 self.leave_step()
                 group.resize(size)
                 return_freed_memory()  # else glibc keeps the larger buffers just freed
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more tokens in a cache that never evicts, so it does not move
+        to bigger buffers as it grows (in the decode step: its whole pool, the rows beside
+        it included). A bounded cache decodes in buffers of its budget and needs none."""
+        if self.policy.capacity is not None:
+            return
+        self.leave_step()
+        for group in self._groups():
+            needed = max(layer.held for layer in group.layers) + tokens
+            if group.layers[0].size < needed:
+                group.resize(needed)
 
     def whole_group(self) -> SlotGroup | None:
         """The ``SlotGroup`` of every layer, where one holds them all (a bounded cache once

@@ -57,6 +57,28 @@ class LiveCounts:
         self.seen, self.held, self.row, self.leave = seen, held, row, leave
 
 
+class Counted:
+    """A layer's counter (``seen``: tokens seen; ``held``: slots in use, the first ``held``
+    of the buffers): the layer's own, or the decode step's while it holds the layer's
+    row (``LiveCounts``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.own = name, f"_{name}"
+
+    def __get__(self, layer: H2OLayer | None, owner: type | None = None) -> int:
+        if layer is None:
+            return self
+        live = layer.live
+        return getattr(layer, self.own) if live is None else int(getattr(live, self.name)[live.row])
+
+    def __set__(self, layer: H2OLayer, value: int) -> None:
+        live = layer.live
+        if live is None:
+            setattr(layer, self.own, value)
+        else:
+            getattr(live, self.name)[live.row] = value
+
+
 class H2OLayer(CacheLayerMixin):
     """One layer's slots: keys, values, accumulated scores, absolute positions and flags.
 
@@ -85,6 +107,7 @@ class H2OLayer(CacheLayerMixin):
     is_croppable = False  # evicted slots cannot be brought back
     keys, values, scores, positions = HeldSlots(), HeldSlots(), HeldSlots(), HeldSlots()
     valid, pinned, rotated_at = HeldSlots(), HeldSlots(), HeldSlots()
+    seen, held = Counted(), Counted()
 
     def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None,
                  storage: KVStorage = KVStorage()) -> None:
@@ -120,34 +143,6 @@ class H2OLayer(CacheLayerMixin):
         state |= {"_seen": self.seen, "_held": self.held, "live": None}
         twin.__dict__.update({name: copy.deepcopy(value, memo) for name, value in state.items()})
         return twin
-
-    @property
-    def seen(self) -> int:
-        """Tokens seen: the absolute position of the next token."""
-        live = self.live
-        return self._seen if live is None else int(live.seen[live.row])
-
-    @seen.setter
-    def seen(self, value: int) -> None:
-        live = self.live
-        if live is None:
-            self._seen = value
-        else:
-            live.seen[live.row] = value
-
-    @property
-    def held(self) -> int:
-        """Slots in use: the first ``held`` of the buffers."""
-        live = self.live
-        return self._held if live is None else int(live.held[live.row])
-
-    @held.setter
-    def held(self, value: int) -> None:
-        live = self.live
-        if live is None:
-            self._held = value
-        else:
-            live.held[live.row] = value
 
     # ---- transformers' layer interface -------------------------------------------------
 
