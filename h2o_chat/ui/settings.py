@@ -8,8 +8,8 @@ from typing import Any
 
 import gradio as gr
 
-from h2o_chat.config import POLICIES, STORAGE_BITS, AppConfig, CacheConfig, ConfigError, validate
-from h2o_chat.engine.build import BUDGETS, MEGABYTE, cache_from_config, policy_from_config
+from h2o_chat.config import MEGABYTE, POLICIES, STORAGE_BITS, AppConfig, CacheConfig, ConfigError, validate
+from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.state import SettingDifference
 
