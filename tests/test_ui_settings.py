@@ -110,6 +110,29 @@ def test_bad_bits_and_budgets_are_refused_by_name():
             settings.cache(values(settings, **changed))
 
 
+@pytest.mark.parametrize("changed, message", [
+    # What the page's endpoints can be sent besides the dropdowns' choices (any JSON value).
+    (dict(key_bits=3), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    (dict(value_bits=0), "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
+    (dict(key_bits=" 3 "), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float"),
+    (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list"),
+    (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str"),
+    (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink"),
+    (dict(policy=7), "cache.policy = 7: expected str, got int"),
+])
+def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
+    settings = panel(AppConfig())
+    with pytest.raises(Refusal) as refused:
+        settings.cache(values(settings, **changed))
+    assert str(refused.value) == message
+
+
+def test_a_number_of_bits_sent_as_a_number_is_those_bits():
+    settings = panel(AppConfig())
+    assert settings.cache(values(settings, key_bits=8, value_bits="4")).key_bits == 8
+
+
 def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
     settings = panel(AppConfig())
     saved = cache_from_config(loaded.model, CacheConfig(policy="h2o", sink=4, key_bits=8, value_bits=4,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +45,16 @@ class Settings:
                 self.seed = gr.Textbox("" if gen.seed is None else str(gen.seed),
                                        label="seed (empty = random)", placeholder="random",
                                        elem_id="seed")
-            # No ``minimum`` on the number boxes: Gradio's own check would refuse a bad
-            # value with a message that does not name the setting; ``cache`` names it.
+            # No ``minimum`` on the number boxes, and dropdowns that take any value: Gradio's
+            # own checks would refuse a bad value (sent to the page's endpoints by hand)
+            # with a message that does not name the setting and a traceback in the server
+            # log; ``cache`` refuses it by name, as the config file's rules do.
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
                 self.policy = gr.Dropdown(
                     list(POLICIES), value=cache.policy, label="cache policy", elem_id="policy",
+                    allow_custom_value=True,
                     info="which tokens the model keeps in memory once the budget is full "
                          "(h2o: sink + recent + heavy; full: keeps all)")
                 # A slot holds one token's keys and values, in every layer and KV head.
@@ -70,10 +74,12 @@ class Settings:
                 bits = [MODEL_DTYPE, *(str(b) for b in STORAGE_BITS)]
                 self.key_bits = gr.Dropdown(
                     bits, value=_bits_choice(cache.key_bits), label="key bits", elem_id="key-bits",
+                    allow_custom_value=True,
                     info="how precisely each kept key is stored: fewer bits, more slots per MB "
                          "(keys are the fragile half: 8 keeps answers)")
                 self.value_bits = gr.Dropdown(
                     bits, value=_bits_choice(cache.value_bits), label="value bits", elem_id="value-bits",
+                    allow_custom_value=True,
                     info="the same for values, which take 4 bits with little loss")
                 # A text box, for the seed's reason: empty means "count slots instead".
                 self.budget_mb = gr.Textbox(
@@ -244,14 +250,15 @@ def _bits_choice(bits: int | None) -> str:
     return MODEL_DTYPE if bits is None else str(bits)
 
 
-def _bits(choice: str | None) -> int | None:
-    """The dropdown's choice as bits; anything else is handed on for the config's check."""
+def _bits(choice: Any) -> Any:
+    """The dropdown's choice as bits. The page's endpoints take any JSON value, so
+    anything but a choice or a number is handed on as it is, for the config's check to
+    refuse by name."""
     if choice in (None, MODEL_DTYPE):
         return None
-    try:
+    if isinstance(choice, str) and re.fullmatch(r"\s*[0-9]{1,6}\s*", choice):
         return int(choice)
-    except ValueError:
-        return choice
+    return choice
 
 
 def _megabytes(text: str | None) -> float | None:
