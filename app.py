@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
                              Admission(config.server.max_concurrent_generations), config.cache).start()
     app = create_app(provider, model_id, config, build_app(provider, config))
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
-    serve(app, config.server)
+    try:
+        serve(app, config.server)
+    except KeyboardInterrupt:  # Ctrl-C, once the server has shut down: an ordinary end
+        print("h2o-chat: stopped.", flush=True)
 
 
 if __name__ == "__main__":
