@@ -23,6 +23,12 @@ import yaml
 POLICIES = ("full", "h2o", "recent", "sink")
 # Storage precisions of cached keys and values, in bits (cache.key_bits, cache.value_bits).
 STORAGE_BITS = (32, 16, 8, 4)
+# A cache budget is given in megabytes (cache.budget_mb: the config file, the command line,
+# the page) or in bytes (cache.budget_bytes: the Python API, a session file); both readings
+# share one range.
+MEGABYTE = 1_000_000
+MAX_BUDGET_MB = 1_000_000
+MAX_BUDGET_BYTES = MAX_BUDGET_MB * MEGABYTE
 
 
 @dataclass
@@ -176,7 +182,8 @@ _RULES: dict[str, _Rule] = {
     "cache.score_norm": _choice("sum", "mean"),
     "cache.key_bits": _choice(*STORAGE_BITS),
     "cache.value_bits": _choice(*STORAGE_BITS),
-    "cache.budget_mb": _Rule(lambda v: 0 < v <= 1_000_000, "must be a number of megabytes > 0 and <= 1000000"),
+    "cache.budget_mb": _Rule(lambda v: 0 < v <= MAX_BUDGET_MB,
+                             f"must be a number of megabytes > 0 and <= {MAX_BUDGET_MB}"),
     "cache.prefill_chunk_size": _int_at_least(1),
     "generation.max_new_tokens": _int_between(1, 32768),
     "generation.temperature": _Rule(
@@ -226,6 +233,44 @@ def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:
             f"cache.recent = {recent}: must be an integer >= 1 when cache.policy is {policy!r}",
             field="cache.recent",
         )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A cache budget in whole bytes, and the field it was given as (``cache.budget_mb``
+    or ``cache.budget_bytes``) with the value as given, so that every refusal of it,
+    here or against a model (``engine.build``), names what the user wrote, in its unit."""
+
+    bytes: int
+    field: str
+    given: Any
+
+    @classmethod
+    def of_megabytes(cls, megabytes: float) -> Budget:
+        """``cache.budget_mb``, checked like the config file's field."""
+        checked = check_field("cache.budget_mb", megabytes)
+        # Rounded, not truncated: n bytes read back from n / MEGABYTE megabytes are n again
+        # (a session file's budget taken into the page's megabytes box must not move).
+        return cls(round(checked * MEGABYTE), "cache.budget_mb", checked)
+
+    @classmethod
+    def of_bytes(cls, value: Any) -> Budget:
+        """``cache.budget_bytes``: a whole number of bytes within ``cache.budget_mb``'s range
+        (a bool, a float, a string or a number too long for JSON's integers is refused)."""
+        if type(value) is not int or not 1 <= value <= MAX_BUDGET_BYTES:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+            raise ConfigError(f"cache.budget_bytes = {shown}: must be an integer number of bytes from 1 "
+                              f"to {MAX_BUDGET_BYTES:,} ({MAX_BUDGET_MB:,} MB), or null",
+                              field="cache.budget_bytes")
+        return cls(value, "cache.budget_bytes", value)
+
+    @property
+    def megabytes(self) -> float:
+        return self.bytes / MEGABYTE
+
+    def amount(self, n_bytes: int) -> str:
+        """``n_bytes`` in the unit the budget was given in."""
+        return f"{n_bytes / MEGABYTE:.6g} MB" if self.field == "cache.budget_mb" else f"{n_bytes:,} bytes"
 
 
 def _check_text_limits(server: ServerConfig, system_prompt: str) -> None:

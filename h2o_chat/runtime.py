@@ -4,6 +4,7 @@ doors get it; it knows nothing of either."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .admission import Admission
-from .config import ServerConfig
+from .config import CacheConfig, ConfigError, ServerConfig
+from .engine.build import cache_from_config
+
+
+class UnfitSettings(RuntimeError):
+    """The model loaded, but the server's cache settings make no cache it can hold."""
 
 
 @dataclass(frozen=True)
@@ -27,11 +33,14 @@ class LoadedModel:
 class ModelProvider:
     """Loads the model once, in a background thread, so the page opens while it loads;
     handlers call ``get()``, which waits for it. ``admission`` bounds the turns generating
-    at once on the model, over the page and the API together."""
+    at once on the model, over the page and the API together. ``cache``, the server's
+    cache settings, is checked against the model as soon as it is loaded: settings it
+    cannot hold (a budget past its context) make the model unavailable, with the
+    config's message, rather than every turn failing."""
 
     def __init__(self, loader: Callable[[], tuple[Any, Any]], name: str,
-                 admission: Admission | None = None) -> None:
-        self._loader, self._name = loader, name
+                 admission: Admission | None = None, cache: CacheConfig | None = None) -> None:
+        self._loader, self._name, self._cache = loader, name, cache
         self.admission = admission or Admission(ServerConfig.max_concurrent_generations)
         self._done = threading.Event()
         self._loaded: LoadedModel | None = None
@@ -46,6 +55,7 @@ class ModelProvider:
     def _load(self) -> None:
         try:
             model, tokenizer = self._loader()
+            self._check_settings(model)
             config = model.config.get_text_config(decoder=True)
             self._loaded = LoadedModel(
                 model=model,
@@ -57,8 +67,18 @@ class ModelProvider:
             )
         except BaseException as err:  # shown on the page and raised to every handler
             self._error = err
+            print(f"h2o-chat: {self.failure}", file=sys.stderr, flush=True)
         finally:
             self._done.set()
+
+    def _check_settings(self, model: Any) -> None:
+        """``UnfitSettings`` if the server's cache settings make no cache ``model`` can hold."""
+        if self._cache is not None:
+            try:
+                cache_from_config(model, self._cache)
+            except ConfigError as err:
+                raise UnfitSettings(f"the server's cache settings do not fit the model: {err}; change them "
+                                    "in the config file or on the command line and restart the app") from None
 
     @property
     def ready(self) -> bool:
@@ -66,8 +86,18 @@ class ModelProvider:
 
     @property
     def error(self) -> BaseException | None:
-        """Why loading failed; None while loading or once loaded."""
+        """Why the model cannot serve; None while loading or once loaded."""
         return self._error
+
+    @property
+    def failure(self) -> str | None:
+        """``error`` in words for the page, ``/health`` and every refused turn; None if
+        there is none."""
+        if self._error is None:
+            return None
+        if isinstance(self._error, UnfitSettings):
+            return str(self._error)
+        return f"the model failed to load: {self._error}"
 
     @property
     def loaded_model(self) -> Any | None:
@@ -78,7 +108,7 @@ class ModelProvider:
         """The loaded model, waiting for it if needed; RuntimeError if loading failed."""
         self._done.wait()
         if self._loaded is None:
-            raise RuntimeError(f"the model failed to load: {self._error}")
+            raise RuntimeError(self.failure)
         return self._loaded
 
     @property

@@ -13,6 +13,7 @@ a turn it lies in a row of the decode step's pools (see ``engine.step``).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import threading
@@ -103,6 +104,9 @@ class BatchScheduler:
     def generate(self, generation: Generation) -> Iterator[int]:
         """Run ``generation`` (see ``Generation.stream`` for what comes out)."""
         with self._changed:
+            if _exiting.is_set():  # no worker will run it: its caller must not wait for ever
+                generation.end("stopped")
+                return generation.stream()
             if not self._arriving:
                 self._arrived_at = time.monotonic()
             self._arriving.append(generation)
@@ -124,21 +128,32 @@ class BatchScheduler:
             self._worker = threading.Thread(target=_work, args=(weakref.ref(self),),
                                             name="h2o-chat-scheduler", daemon=True)
             self._worker.start()
+            _workers.add(self)  # stopped and joined at exit (``stop_workers``)
 
     def _next_step(self, timeout: float) -> list[Generation] | None:
         """The generations of the next step; None when none came within ``timeout``."""
         with self._changed:
-            if not self._changed.wait_for(lambda: self._arriving or self._running, timeout=timeout):
+            if not self._changed.wait_for(lambda: self._arriving or self._running or _exiting.is_set(),
+                                          timeout=timeout):
                 return None
             if self._arriving:
                 due = self._arrived_at + self.gather_s
                 if not self._running:  # nothing else to do meanwhile
-                    while (left := due - time.monotonic()) > 0:
+                    while not _exiting.is_set() and (left := due - time.monotonic()) > 0:
                         self._changed.wait(left)
                 if time.monotonic() >= due:
                     self._running += self._arriving
                     self._arriving = []
             return list(self._running)
+
+    def _stop_all(self) -> None:
+        """End every generation as stopped: the workers are told to stop (``stop_workers``)."""
+        with self._changed:
+            generations, self._arriving, self._running = self._arriving + self._running, [], []
+        with torch.inference_mode():
+            for generation in generations:
+                if not generation.done.is_set():
+                    _give_up(generation)
 
     def _run(self, generations: list[Generation]) -> None:
         model = self._model()  # alive: every caller holds it
@@ -219,6 +234,9 @@ class BatchScheduler:
 def _work(scheduler_ref: weakref.ref) -> None:
     while (scheduler := scheduler_ref()) is not None:
         step = scheduler._next_step(timeout=1.0)
+        if _exiting.is_set():
+            scheduler._stop_all()
+            return
         if step:
             scheduler._run(step)
         del scheduler  # not held while idle, so it can be freed
@@ -305,3 +323,23 @@ def scheduler_for(model) -> BatchScheduler:
             scheduler = _schedulers[model] = BatchScheduler(model)
         return scheduler
 
+
+# Set to stop: every worker ends what it runs and returns (``stop_workers``).
+_exiting = threading.Event()
+_workers: weakref.WeakSet[BatchScheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def stop_workers() -> None:
+    """Stop every worker after its step under way, its generations ending as stopped,
+    and wait for it; generations asked for afterwards end at once. Called at exit (once
+    the program's own threads have ended) and when the server is told to stop. A daemon
+    worker still running as the interpreter finalized took the GIL back inside torch
+    (freeing a tensor); Python ends such a thread with pthread_exit, whose unwinding
+    through torch's C++ frame aborted the process ("terminate called without an active
+    exception", exit status 134)."""
+    _exiting.set()
+    for scheduler in list(_workers):
+        with scheduler._changed:
+            scheduler._changed.notify_all()
+        scheduler._worker.join()

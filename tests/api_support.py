@@ -33,8 +33,11 @@ def api_config(**server) -> AppConfig:
 def serving(model_and_tokenizer, config: AppConfig) -> Iterator[str]:
     """The API on a free port; yields its base URL (``http://127.0.0.1:PORT``)."""
     provider = ModelProvider(lambda: model_and_tokenizer, MODEL_ID,
-                             Admission(config.server.max_concurrent_generations)).start()
-    provider.get()
+                             Admission(config.server.max_concurrent_generations), config.cache).start()
+    try:
+        provider.get()
+    except RuntimeError:
+        pass  # settings the model cannot hold: the server says so, on /health and to every turn
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_api(provider, MODEL_ID, config), host="127.0.0.1",
                                            port=port, log_level="warning"))

@@ -181,6 +181,16 @@ def set_number(page: Page, elem_id: str, value: float) -> None:
     expect(slider).to_have_value(f"{value:g}")
 
 
+def choose(page: Page, elem_id: str, option: str) -> None:
+    """Pick ``option`` in the dropdown ``#elem_id`` from its list, as a user does."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+    expect(page.locator(f"#{elem_id} input")).to_have_value(option)
+    # The list closes after the choice; until it has, a second dropdown's options would
+    # share names with this one's.
+    expect(page.get_by_role("option")).to_have_count(0)
+
+
 def show_settings(page: Page, shown: bool = True) -> None:
     header = page.locator("#settings .label-wrap")
     if ("open" in header.get_attribute("class").split()) != shown:

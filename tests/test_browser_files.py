@@ -1,6 +1,7 @@
 """End to end: the chat view's Save / load panel in the real app (``app.py`` on the
 embedded model) driven through Debian's chromium: export, save, then resume in another
-browser session, a refused file, and a file of other cache settings taken with them."""
+browser session, a refused file, and files of other cache settings (slots, or a budget
+in bytes and bits) taken with them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from .browser_support import configure, gauge, messages, open_app, reloaded, running_app, send, toasts
+from .browser_support import (choose, configure, gauge, messages, open_app, reloaded, running_app, send,
+                              toasts)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,53 @@ def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(bro
     for page in (first, second):
         expect(page.locator("#server-load")).to_contain_text("· 0 generating")
         send(page, "#chat-input", "#chat-send", "And three colours?")
+    replies = messages(second, "chatbot", "bot")
+    assert not reloaded(first) and not reloaded(second), "a page reloaded: its settings were lost"
+    assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
+    first.context.close()
+    second.context.close()
+
+
+def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app_url, tmp_path):
+    """Saved at 1 MB with 8-bit keys and 4-bit values, resumed into a page that counts
+    slots at the model's precision: the page lists every difference, takes the file's
+    settings on request, and the next reply is the saved session's own."""
+    first = open_app(browser, app_url)
+    configure(first, max_new_tokens=16)
+    choose(first, "key-bits", "8")
+    choose(first, "value-bits", "4")
+    first.fill("#budget-mb textarea", "1")
+    first.locator("#budget-mb textarea").press("Tab")
+    send(first, "#chat-input", "#chat-send", "Tell me about the sea and its ships, every one of them. " * 4)
+    saved = gauge(first, "chat-gauge")
+    assert (saved["budgetBytes"], saved["keyBits"], saved["valueBits"]) == ("1000000", "8", "4")
+    open_files(first)
+    download(first, "#chat-save-session", tmp_path / "k8v4.h2o-session.zip")
+
+    second = open_app(browser, app_url)
+    configure(second, max_new_tokens=16)
+    open_files(second)
+    upload(second, "#chat-resume-session", tmp_path / "k8v4.h2o-session.zip")
+    status = second.locator("#chat-files-status")
+    expect(status).to_contain_text(
+        "cache.budget_bytes = 1000000 in the file, not used on the page; cache.heavy = 42 in the file, 16 on "
+        "the page; cache.key_bits = 8 in the file, not used on the page; cache.recent = 42 in the file, 16 on "
+        "the page; cache.value_bits = 4 in the file, not used on the page", timeout=60_000)
+    second.locator("#chat-adopt-settings").click()
+    expect(status).to_contain_text("Resumed with the file's cache settings (budget_mb 1, heavy 42, key_bits 8, "
+                                   "recent 42, value_bits 4)", timeout=60_000)
+    expect(second.locator("#budget-mb textarea")).to_have_value("1")
+    expect(second.locator("#key-bits input")).to_have_value("8")
+    expect(second.locator("#value-bits input")).to_have_value("4")
+    resumed = gauge(second, "chat-gauge")
+    assert {k: resumed[k] for k in ("budgetBytes", "keyBits", "valueBits", "seen", "held")} == {
+        k: saved[k] for k in ("budgetBytes", "keyBits", "valueBits", "seen", "held")}
+    assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
+
+    # Each alone on the model, as in the test above.
+    for page in (first, second):
+        expect(page.locator("#server-load")).to_contain_text("· 0 generating")
+        send(page, "#chat-input", "#chat-send", "And its lighthouses?")
     replies = messages(second, "chatbot", "bot")
     assert not reloaded(first) and not reloaded(second), "a page reloaded: its settings were lost"
     assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]

@@ -12,7 +12,7 @@ from pathlib import Path
 from playwright.sync_api import expect
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, gauge, open_app, open_tab, send,
+    DONE_TIMEOUT_MS, choose, configure, gauge, open_app, open_tab, send,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -118,22 +118,13 @@ def test_the_server_line_follows_this_pages_turn(browser, app_url):
         page.context.close()
 
 
-def _choose(page, elem_id: str, option: str) -> None:
-    page.locator(f"#{elem_id} input").click()
-    page.get_by_role("option", name=option, exact=True).click()
-    expect(page.locator(f"#{elem_id} input")).to_have_value(option)
-    # The list closes after the choice; until it has, a second dropdown's options would
-    # share names with this one's.
-    expect(page.get_by_role("option")).to_have_count(0)
-
-
 def test_compare_at_equal_bytes_with_8_and_4_bit_slots(page):
     """The bounded side gets a budget in megabytes at 8-bit keys and 4-bit values; its
     title names the megabytes and its gauge the bits, bytes and slots the budget buys."""
     open_tab(page, "Compare")
     configure(page, max_new_tokens=6)
-    _choose(page, "key-bits", "8")
-    _choose(page, "value-bits", "4")
+    choose(page, "key-bits", "8")
+    choose(page, "value-bits", "4")
     page.fill("#budget-mb textarea, #budget-mb input", "0.8")
     page.locator("#budget-mb textarea, #budget-mb input").press("Tab")
     # The idle side follows the settings: its title and its empty gauge name the bytes.

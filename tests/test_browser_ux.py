@@ -5,6 +5,7 @@ cleanly."""
 from __future__ import annotations
 
 import base64
+import json
 from io import BytesIO
 from pathlib import Path
 
@@ -64,6 +65,52 @@ def test_refusals_are_one_message_naming_the_setting(page, app_log):
     assert messages(page, "chatbot", "user") == ["Hello there."]
     assert messages(page, "chatbot", "bot")[0].strip()
     _no_error_pills(page)
+    assert "Traceback" not in app_log.read_text()
+
+
+# Sent in place of what a dropdown holds, by a page whose request was edited on its way:
+# what the page's endpoints can be sent, though no dropdown offers it.
+CRAFTED_SETTINGS = [
+    ("key-bits", 3, "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    ("value-bits", 0, "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
+    ("key-bits", "8.0", "cache.key_bits = '8.0': expected int or null, got str"),
+    ("value-bits", ["8"], "cache.value_bits = ['8']: expected int or null, got list"),
+    ("policy", "h3o", "cache.policy = 'h3o': must be one of full, h2o, recent, sink"),
+]
+
+
+def test_settings_no_dropdown_offers_are_refused_by_name_without_a_traceback(page, app_log):
+    # Where each control's value travels in the request of the chat's Send.
+    where = page.evaluate("""() => {
+      const config = window.gradio_config;
+      const id = elemId => config.components.find(c => c.props && c.props.elem_id === elemId).id;
+      const send = id('chat-send'), inputs = ['key-bits', 'value-bits', 'policy'];
+      const turn = config.dependencies.find(d => d.targets.some(([target, event]) => target === send && event === 'click')
+                                              && d.inputs.includes(id('key-bits')));
+      return {fn_index: turn.id, index: Object.fromEntries(inputs.map(name => [name, turn.inputs.indexOf(id(name))]))};
+    }""")
+    crafted: dict = {}
+
+    def edit(route) -> None:
+        body = json.loads(route.request.post_data)
+        if body.get("fn_index") == where["fn_index"]:
+            for elem_id, value in crafted.items():
+                body["data"][where["index"][elem_id]] = value
+        route.continue_(post_data=json.dumps(body))
+
+    configure(page, max_new_tokens=8)
+    page.route("**/gradio_api/queue/join*", edit)
+    for elem_id, value, message in CRAFTED_SETTINGS:
+        crafted = {elem_id: value}
+        page.fill("#chat-input textarea", "Hello there.")
+        page.click("#chat-send")
+        _expect_toast(page, message)
+        expect(page.locator("#chat-send")).to_be_visible()
+    _no_error_pills(page)
+    assert messages(page, "chatbot", "user") == []  # no turn ran on a bad setting
+    crafted = {}
+    send(page, "#chat-input", "#chat-send", "Hello there.")  # the page's own values still work
+    assert messages(page, "chatbot", "bot")[0].strip()
     assert "Traceback" not in app_log.read_text()
 
 

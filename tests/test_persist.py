@@ -458,6 +458,78 @@ def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):
         settings.check_adoptable([SettingDifference("score_norm", "mean", "sum")])
 
 
+# A page of K8/V4 and 1 MB (88 tokens of the embedded model: sink 4, heavy and recent 42).
+BYTE_BUDGET_PAGE = dict(budget_mb="1", key_bits="8", value_bits="4")
+BYTE_BUDGET_DIFFERENCES = ("cache.budget_bytes = 1000000 in the file, not used on the page; "
+                           "cache.heavy = 42 in the file, 16 on the page; cache.key_bits = 8 in the file, not used "
+                           "on the page; cache.recent = 42 in the file, 16 on the page; cache.value_bits = 4 in the "
+                           "file, not used on the page")
+
+
+def saved_with_a_byte_budget(views):
+    """A chat of the panel at 1 MB and K8/V4, past its budget, and the file it saved."""
+    from h2o_chat.ui.chat_tab import ChatState
+
+    settings, chat, _ = views
+    files = chat.files
+    state = ChatState(files.tab.provider.get(), settings.cache(inputs(settings, chat, None, **BYTE_BUDGET_PAGE)),
+                      "Be brief.")
+    with state.running():
+        "".join(state.session.send("Tell me about the sea and its ships, every one of them. " * 6,
+                                   temperature=0, max_new_tokens=12))
+    assert state.session.stats().cache.budget_reached
+    return state.session, files.on_save(inputs(settings, chat, state, **BYTE_BUDGET_PAGE))[files.download]
+
+
+def test_a_file_saved_with_a_byte_budget_resumes_with_its_settings_and_identical_logits(views, smollm):
+    settings, chat, _ = views
+    files = chat.files
+    original, path = saved_with_a_byte_budget(views)
+    page = inputs(settings, chat, None)  # the config's slots, the model's precision
+    with pytest.warns(UserWarning, match="cache.budget_bytes"):
+        refused = files.on_resume(page | {files.resume: path})
+    assert refused[files.status] == (f"**Not loaded:** this session was saved with other cache settings: "
+                                     f"{BYTE_BUDGET_DIFFERENCES}. Set the cache settings to the file's, or use the "
+                                     "file's settings with the button below.")
+    assert refused[files.adopt]["visible"] is True
+
+    adopted = files.on_adopt(page | {files.mismatched: refused[files.mismatched]})
+    assert adopted[files.status].startswith("Resumed with the file's cache settings (budget_mb 1, heavy 42, "
+                                            "key_bits 8, recent 42, value_bits 4): ")
+    assert {settings.budget_mb: "1", settings.key_bits: "8", settings.value_bits: "4"}.items() <= adopted.items()
+    assert_continues_identically(smollm[0], original, adopted[chat.state].session)
+
+
+@pytest.mark.parametrize("budget, why", [
+    (10**30, "cache.budget_bytes = <a 31-digit number>: must be an integer number of bytes from 1 to "
+             "1,000,000,000,000 (1,000,000 MB), or null"),
+    ("5", "cache.budget_bytes = '5': must be an integer number of bytes from 1 to 1,000,000,000,000 "
+          "(1,000,000 MB), or null"),
+    (2.5, "cache.budget_bytes = 2.5: must be an integer number of bytes from 1 to 1,000,000,000,000 "
+          "(1,000,000 MB), or null"),
+    (10**9, "cache.budget_mb = 1000.0: holds 88,183 tokens at 11,340 bytes a token; must hold from 5 (the sink "
+            "plus one) to 8,192 (the model's context, max_position_embeddings), i.e. from 0.0567 MB to "
+            "92.9086 MB"),
+])
+def test_a_files_byte_budget_the_page_cannot_take_is_refused_on_upload_naming_it(views, tmp_path, budget, why):
+    from .test_hostile import edited
+
+    settings, chat, _ = views
+    files = chat.files
+    _, path = saved_with_a_byte_budget(views)
+
+    def lie(manifest):
+        manifest["cache"]["settings"]["budget_bytes"] = budget
+
+    crafted = edited(Path(path), tmp_path, "budget", manifest=lie)
+    with pytest.warns(UserWarning, match="cache.budget"):
+        refused = files.on_resume(inputs(settings, chat, None) | {files.resume: str(crafted)})
+    assert chat.state not in refused and refused[files.adopt]["visible"] is False
+    assert refused[files.status].startswith("**Not loaded:** this session was saved with other cache settings: "
+                                            "cache.budget_bytes = ")
+    assert refused[files.status].endswith(f"; the file's cache settings: {why}")
+
+
 def test_story_panel_saves_and_resumes(views):
     from h2o_chat.ui.story_tab import StoryState
 

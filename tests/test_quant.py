@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from h2o_chat import ChatSession, make_cache
-from h2o_chat.config import ConfigError
+from h2o_chat.config import CacheConfig, ConfigError
+from h2o_chat.engine.build import cache_from_config
 from h2o_chat.engine.budget import token_bytes
 from h2o_chat.engine.quant import KVStorage, make_codec
 from h2o_chat.inputs import InputError
@@ -224,11 +225,50 @@ def test_a_budget_in_bytes_holds_what_it_buys_pins_counted(smollm):
     assert cache.settings()["heavy"] == 73  # the settings do not move with the pins
 
 
-def test_a_budget_too_small_for_one_token_is_refused_naming_the_field(smollm):
+# What a token costs the embedded model's cache at K8/V4, and the budgets from the sink
+# plus one token (5) to the model's context (8,192 tokens).
+K8V4_TOKEN_BYTES = 11_340
+K8V4_ALLOWED = ("must hold from 5 (the sink plus one) to 8,192 (the model's context, max_position_embeddings), "
+                "i.e. from {} to {}")
+
+
+@pytest.mark.parametrize("given, held", [(10_000, 0), (10**9, 88_183), (10**12, 88_183_421)])
+def test_a_byte_budget_the_model_cannot_hold_is_refused_naming_the_field_and_the_range(smollm, given, held):
     model, _ = smollm
-    with pytest.raises(ConfigError, match=r"cache.budget_mb = 0.01: holds 0 tokens at 11,340 bytes a token; "
-                                          r"must hold at least 5 \(the sink plus one\)") as refused:
-        make_cache(model, "h2o", sink=4, budget_bytes=10_000, **K8V4)
+    with pytest.raises(ConfigError) as refused:
+        make_cache(model, "h2o", sink=4, budget_bytes=given, **K8V4)
+    assert str(refused.value) == (f"cache.budget_bytes = {given}: holds {held:,} tokens at 11,340 bytes a token; "
+                                  + K8V4_ALLOWED.format("56,700 bytes", "92,908,619 bytes"))
+    assert refused.value.field == "cache.budget_bytes"
+    # The same budget in megabytes, as the config file, the command line and the page give it.
+    with pytest.raises(ConfigError) as refused:
+        cache_from_config(model, CacheConfig(sink=4, budget_mb=given / 1e6, **K8V4))
+    assert str(refused.value) == (f"cache.budget_mb = {given / 1e6!r}: holds {held:,} tokens at 11,340 bytes a "
+                                  "token; " + K8V4_ALLOWED.format("0.0567 MB", "92.9086 MB"))
     assert refused.value.field == "cache.budget_mb"
+
+
+def test_a_byte_budget_of_the_whole_context_is_taken(smollm):
+    model, _ = smollm
+    for budget in (5 * K8V4_TOKEN_BYTES, 8193 * K8V4_TOKEN_BYTES - 1):
+        assert make_cache(model, "h2o", sink=4, budget_bytes=budget, **K8V4).settings()["budget_bytes"] == budget
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "100", 2.5e6, True, 0, -1, 10**30, [100]])
+def test_a_byte_budget_that_is_no_whole_number_of_bytes_is_refused_naming_it(tiny_model, value):
+    with pytest.raises(ConfigError) as refused:
+        make_cache(tiny_model, "h2o", sink=4, budget_bytes=value)
+    assert str(refused.value) == (f"cache.budget_bytes = {value!r}: must be an integer number of bytes from 1 to "
+                                  "1,000,000,000,000 (1,000,000 MB), or null")
+    assert refused.value.field == "cache.budget_bytes"
+
+
+def test_the_sink_beside_a_byte_budget_is_checked_by_name(tiny_model):
+    with pytest.raises(ConfigError, match=r"^cache.sink = nan: expected int, got float$"):
+        make_cache(tiny_model, "h2o", sink=float("nan"), budget_bytes=10**6)
+
+
+def test_other_bits_are_refused_naming_the_field(smollm):
+    model, _ = smollm
     with pytest.raises(ConfigError, match="cache.key_bits = 6: must be one of 32, 16, 8, 4"):
         make_cache(model, "h2o", heavy=4, recent=4, key_bits=6)

@@ -98,8 +98,9 @@ def test_story_texts_are_checked_the_same_way(smollm):
 
 
 def test_a_budget_beyond_the_models_context_is_refused(tiny_model):
-    with pytest.raises(ConfigError, match=r"heavy 4000 \+ recent 100 \+ sink 4 = 4104 slots: must be "
-                                          r"at most the model's context of 4096") as err:
+    with pytest.raises(ConfigError, match=r"^cache.heavy \+ cache.recent \+ cache.sink = 4000 \+ 100 \+ 4 = "
+                                          r"4104 slots: must be at most the model's context of 4,096 tokens "
+                                          r"\(max_position_embeddings\)$") as err:
         make_cache(tiny_model, "h2o", heavy=4000, recent=100, sink=4)
     assert err.value.field == "cache.heavy"
     make_cache(tiny_model, "h2o", heavy=4000, recent=92, sink=4)  # exactly the context is fine

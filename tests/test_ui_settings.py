@@ -5,6 +5,7 @@ import re
 import gradio as gr
 import pytest
 
+from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.engine.quant import KVStorage
@@ -109,17 +110,56 @@ def test_bad_bits_and_budgets_are_refused_by_name():
             settings.cache(values(settings, **changed))
 
 
+@pytest.mark.parametrize("changed, message", [
+    # What the page's endpoints can be sent besides the dropdowns' choices (any JSON value).
+    (dict(key_bits=3), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    (dict(value_bits=0), "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
+    (dict(key_bits=" 3 "), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float"),
+    (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list"),
+    (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str"),
+    (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink"),
+    (dict(policy=7), "cache.policy = 7: expected str, got int"),
+])
+def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
+    settings = panel(AppConfig())
+    with pytest.raises(Refusal) as refused:
+        settings.cache(values(settings, **changed))
+    assert str(refused.value) == message
+
+
+def test_a_number_of_bits_sent_as_a_number_is_those_bits():
+    settings = panel(AppConfig())
+    assert settings.cache(values(settings, key_bits=8, value_bits="4")).key_bits == 8
+
+
 def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
     settings = panel(AppConfig())
     saved = cache_from_config(loaded.model, CacheConfig(policy="h2o", sink=4, key_bits=8, value_bits=4,
                                                         budget_mb=1.5))
     ours = cache_from_config(loaded.model, settings.cache(values(settings)))
-    cache, shown = settings.adopt(values(settings), settings_differences(saved.settings(), ours.settings()))
+    adopted = settings.adopt(values(settings), settings_differences(saved.settings(), ours.settings()), loaded.model)
+    cache, shown = adopted.cache, adopted.updates
     assert (cache.key_bits, cache.value_bits, cache.budget_mb) == (8, 4, 1.5)
     assert shown[settings.key_bits] == "8" and shown[settings.value_bits] == "4" and shown[settings.budget_mb] == "1.5"
+    assert adopted.summary == "budget_mb 1.5, heavy 64, key_bits 8, recent 64, value_bits 4"
     assert cache_from_config(loaded.model, cache).settings() == saved.settings()
     # And back: a file saved with slots and the model's precision clears them again.
     chosen = values(settings, key_bits="8", value_bits="4", budget_mb="1.5")
-    cache, shown = settings.adopt(chosen, settings_differences(ours.settings(), saved.settings()))
+    adopted = settings.adopt(chosen, settings_differences(ours.settings(), saved.settings()), loaded.model)
+    cache, shown = adopted.cache, adopted.updates
     assert (cache.key_bits, cache.value_bits, cache.budget_mb) == (None, None, None)
     assert shown[settings.key_bits] == MODEL_DTYPE and shown[settings.budget_mb] == ""
+
+
+def test_a_saved_budget_of_any_whole_number_of_bytes_is_taken_exactly(loaded):
+    """The file's bytes go through the page's megabytes and back without moving a byte."""
+    settings = panel(AppConfig())
+    ours = cache_from_config(loaded.model, settings.cache(values(settings)))
+    for budget in (1_000_001, 1_234_567, 9_999_999):
+        saved = make_cache(loaded.model, "h2o", sink=4, key_bits=8, value_bits=4, budget_bytes=budget)
+        adopted = settings.adopt(values(settings), settings_differences(saved.settings(), ours.settings()),
+                                 loaded.model)
+        assert cache_from_config(loaded.model, adopted.cache).settings() == saved.settings()
+        typed = values(settings, key_bits="8", value_bits="4", budget_mb=adopted.updates[settings.budget_mb])
+        assert cache_from_config(loaded.model, settings.cache(typed)).settings() == saved.settings()

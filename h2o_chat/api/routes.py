@@ -72,7 +72,8 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     @api.get("/health")
     async def health(request: Request) -> Response:
         status = "ok" if provider.ready else "error" if provider.error is not None else "loading"
-        return answered(request, JSONResponse({"status": status, "model": name},
+        why = {} if provider.failure is None else {"error": provider.failure}
+        return answered(request, JSONResponse({"status": status, "model": name} | why,
                                               status_code=200 if status == "ok" else 503))
 
     @api.get("/metrics")

@@ -3,18 +3,23 @@ API's FastAPI app, served by uvicorn on one port."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
+from types import FrameType
 
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
 from gradio.networking import setup_tunnel
+from gradio.routes import App as PageApp
+from starlette.routing import Mount
 
 from h2o_chat.config import AppConfig, ServerConfig
 from h2o_chat.engine.memory import return_freed_memory
 from h2o_chat.runtime import ModelProvider
+from h2o_chat.scheduler import stop_workers
 from h2o_chat.ui.app import launch_options
 
 from .page_guards import page_middleware
@@ -34,13 +39,30 @@ def serve(app: FastAPI, server: ServerConfig) -> None:
     """Serve ``app`` until interrupted; with ``server.share`` also through a public
     Gradio share link."""
     # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
-    runner = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
-                                           timeout_graceful_shutdown=3))
+    runner = _Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+                                    timeout_graceful_shutdown=3))
     if server.share:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
     print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
           f"API at http://{server.host}:{server.port}/v1", flush=True)
     runner.run()
+
+
+class _Server(uvicorn.Server):
+    """Told to stop (Ctrl-C), it first ends what would keep a response open: the replies
+    under way (the model's worker stops, they end as stopped) and the open pages'
+    heartbeat streams, which Gradio ends only for an app it launched itself. Left open,
+    uvicorn's graceful shutdown cancelled them after 3 s, with a traceback each."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # In a thread of its own: this signal handler runs on the event loop's thread,
+        # which the worker's last step may wait for (a lock held where the signal came).
+        threading.Thread(target=stop_workers, name="stop-workers").start()
+        loop = asyncio.get_running_loop()
+        for mounted in self.config.app.routes:
+            if isinstance(mounted, Mount) and isinstance(mounted.app, PageApp):
+                loop.call_soon_threadsafe(mounted.app.stop_event.set)
+        super().handle_exit(sig, frame)
 
 
 def _share(runner: uvicorn.Server, server: ServerConfig) -> None:

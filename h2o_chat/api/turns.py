@@ -157,6 +157,8 @@ class TurnRunner:
 
     async def start(self, request: ChatRequest, session_id: str | None) -> Turn:
         """Admit the request (429 when the queue is full) and start its turn."""
+        if self.provider.failure is not None:  # known now: refused before a streamed 200 goes out
+            raise _unavailable(self.provider.failure)
         arrived = time.monotonic()
         ticket = await self.queue.enter()
         try:
@@ -174,8 +176,8 @@ class TurnRunner:
         try:
             try:
                 loaded = self.provider.get()
-            except RuntimeError as err:  # loading failed: no turn can run
-                raise APIError(503, str(err), code="model_unavailable") from None
+            except RuntimeError as err:  # loading failed while the turn waited: no turn can run
+                raise _unavailable(str(err)) from None
             if conversation.session is None:
                 conversation.session = self._new_session(loaded.model, loaded.tokenizer, request.history)
             session = conversation.session
@@ -252,6 +254,12 @@ def h2o_report(session_id: str, stats: SessionStats) -> dict[str, Any]:
             "budget": cache.budget, "evicted": cache.seen - cache.held, "pinned": cache.pinned,
             "kv_bytes": cache.kv_bytes, "held_bytes": cache.held_bytes, "budget_bytes": cache.budget_bytes,
             "key_bits": cache.key_bits, "value_bits": cache.value_bits, "policy": cache.policy}
+
+
+def _unavailable(why: str) -> APIError:
+    """The model failed to load, or the server's cache settings do not fit it: the
+    server's fault, whatever the request."""
+    return APIError(503, why, code="model_unavailable")
 
 
 def _as_api_error(err: BaseException) -> APIError:

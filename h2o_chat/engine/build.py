@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_chat.config import CacheConfig, ConfigError, check_field
+from h2o_chat.config import Budget, CacheConfig, ConfigError, check_field
 
 from .attention import ATTENTION_NAME
 from .budget import ByteBudget, split_slots, token_bytes
@@ -15,7 +15,6 @@ from .quant import KVStorage
 from .rope import RopeShifter
 
 BUDGETS = ("heavy", "recent", "sink")
-MEGABYTE = 1_000_000
 
 
 def cache_for_policy(model: torch.nn.Module, policy: EvictionPolicy, rolling: bool = False,
@@ -44,25 +43,40 @@ def make_cache(model: torch.nn.Module, policy: str = "h2o", rolling: bool = Fals
     context. ``rolling`` places cached tokens at their rank in the cache rather than
     their absolute position (see ``H2OLayer``), for conversations longer than the
     model's trained context. ``key_bits``/``value_bits`` (32, 16, 8, 4; None: the model's
-    dtype) set the storage precision (``quant.py``). ``budget_bytes`` replaces ``heavy``
-    and ``recent``: the slots follow from the bytes a token takes at that precision,
-    pinned tokens counted (``budget.py``); ``sink`` still applies.
+    dtype) set the storage precision (``quant.py``). ``budget_bytes`` (an integer number
+    of bytes, ``config.Budget.of_bytes``) replaces ``heavy`` and ``recent``: the slots
+    follow from the bytes a token takes at that precision, pinned tokens counted
+    (``budget.py``); ``sink`` still applies. A bad value raises ``ConfigError`` naming it.
     """
     unknown = set(budgets) - {*BUDGETS, "score_norm"}
     if unknown:
         raise TypeError(f"unknown budget(s) {sorted(unknown)}; allowed: {', '.join(BUDGETS)}, score_norm")
-    storage = _storage(key_bits, value_bits)
-    byte_budget = None
-    if budget_bytes is not None:
-        budgets, byte_budget = _fill_bytes(model, policy, budget_bytes, storage, rolling, budgets)
-    chosen = make_policy(policy, **budgets)
+    budget = None if budget_bytes is None else Budget.of_bytes(budget_bytes)
+    return _build(model, policy, rolling, _storage(key_bits, value_bits), budget, budgets)
+
+
+def cache_from_config(model: torch.nn.Module, cache: CacheConfig) -> H2OCache:
+    """A fresh cache for ``model`` as ``cache`` (the config file's cache section) says;
+    ``ConfigError`` naming the field if the model cannot hold it (its context)."""
+    budget = None if cache.budget_mb is None else Budget.of_megabytes(cache.budget_mb)
+    return _build(model, cache.policy, cache.rolling, _storage(cache.key_bits, cache.value_bits), budget,
+                  dict(heavy=cache.heavy, recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm))
+
+
+def _build(model: torch.nn.Module, policy: str, rolling: bool, storage: KVStorage, budget: Budget | None,
+           budgets: dict) -> H2OCache:
+    """Where every budget, in slots or in bytes, is checked against the model's context."""
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if chosen.capacity is not None and context and chosen.capacity > context:
-        parts = " + ".join(f"{k} {v}" for k, v in chosen.describe().items() if k in BUDGETS)
+    byte_budget = None
+    if budget is not None:
+        budgets, byte_budget = _fill_bytes(model, policy, budget, storage, rolling, context, budgets)
+    chosen = make_policy(policy, **budgets)
+    if byte_budget is None and chosen.capacity is not None and context and chosen.capacity > context:
+        parts = {k: v for k, v in chosen.describe().items() if k in BUDGETS}
         raise ConfigError(
-            f"cache budget {parts} = {chosen.capacity} slots: must be at most the "
-            f"model's context of {context} tokens (max_position_embeddings)",
-            field="cache.heavy" if byte_budget is None else "cache.budget_mb")
+            f"{' + '.join(f'cache.{k}' for k in parts)} = {' + '.join(map(str, parts.values()))} = "
+            f"{chosen.capacity} slots: must be at most the model's context of {context:,} tokens "
+            "(max_position_embeddings)", field="cache.heavy" if "heavy" in parts else "cache.recent")
     if byte_budget is not None:
         byte_budget = ByteBudget(byte_budget.bytes, byte_budget.token_bytes, chosen.describe())
     return cache_for_policy(model, chosen, rolling, storage, byte_budget)
@@ -72,23 +86,27 @@ def _storage(key_bits: int | None, value_bits: int | None) -> KVStorage:
     return KVStorage(check_field("cache.key_bits", key_bits), check_field("cache.value_bits", value_bits))
 
 
-def _fill_bytes(model: torch.nn.Module, policy: str, budget_bytes: int, storage: KVStorage, rolling: bool,
-                budgets: dict) -> tuple[dict, ByteBudget]:
-    """``budgets`` with the slot counts that ``budget_bytes`` buys, and the budget."""
+def _fill_bytes(model: torch.nn.Module, policy: str, budget: Budget, storage: KVStorage, rolling: bool,
+                context: int | None, budgets: dict) -> tuple[dict, ByteBudget]:
+    """``budgets`` with the slot counts that ``budget`` buys, and the budget; refused by
+    the field it was given as unless it holds the sink plus one token and at most the
+    model's context."""
     if policy == "full":
-        raise ConfigError("cache.budget_mb: the full policy keeps every token and takes no budget; "
-                          "choose h2o, sink or recent", field="cache.budget_mb")
-    budget = ByteBudget(int(budget_bytes), token_bytes(model, storage, rolling))
-    sink = int(budgets.get("sink", 0)) if policy != "recent" else 0
-    least = sink + 1
-    if budget.slots < least:
-        raise ConfigError(
-            f"cache.budget_mb = {budget_bytes / MEGABYTE:g}: holds {budget.slots} tokens at "
-            f"{budget.token_bytes:,} bytes a token; must hold at least {least} (the sink plus one), "
-            f"i.e. {least * budget.token_bytes / MEGABYTE:g} MB or more", field="cache.budget_mb")
-    slots = split_slots(policy, budget.slots, sink)
+        raise ConfigError(f"{budget.field}: the full policy keeps every token and takes no budget; "
+                          "choose h2o, sink or recent", field=budget.field)
+    bought = ByteBudget(budget.bytes, token_bytes(model, storage, rolling))
+    sink = check_field("cache.sink", budgets.get("sink", 0)) if policy != "recent" else 0
+    least, per_token = sink + 1, bought.token_bytes
+    if bought.slots < least or (context and bought.slots > context):
+        allowed = (f"from {least:,} (the sink plus one) to {context:,} (the model's context, "
+                   f"max_position_embeddings), i.e. from {budget.amount(least * per_token)} to "
+                   f"{budget.amount((context + 1) * per_token - 1)}" if context else
+                   f"at least {least:,} (the sink plus one), i.e. {budget.amount(least * per_token)} or more")
+        raise ConfigError(f"{budget.field} = {budget.given!r}: holds {bought.slots:,} tokens at "
+                          f"{per_token:,} bytes a token; must hold {allowed}", field=budget.field)
+    slots = split_slots(policy, bought.slots, sink)
     kept = {k: v for k, v in budgets.items() if k == "score_norm"}
-    return kept | slots, budget
+    return kept | slots, bought
 
 
 def policy_from_config(cache: CacheConfig) -> EvictionPolicy:
@@ -96,11 +114,3 @@ def policy_from_config(cache: CacheConfig) -> EvictionPolicy:
     (a byte budget needs the model: ``cache_from_config``)."""
     return make_policy(cache.policy, heavy=cache.heavy, recent=cache.recent, sink=cache.sink,
                        score_norm=cache.score_norm)
-
-
-def cache_from_config(model: torch.nn.Module, cache: CacheConfig) -> H2OCache:
-    """A fresh cache for ``model`` as ``cache`` (the config file's cache section) says."""
-    budget_bytes = None if cache.budget_mb is None else int(cache.budget_mb * MEGABYTE)
-    return make_cache(model, cache.policy, rolling=cache.rolling, key_bits=cache.key_bits,
-                      value_bits=cache.value_bits, budget_bytes=budget_bytes, heavy=cache.heavy,
-                      recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm)

@@ -84,8 +84,8 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
 
 def model_status(provider: ModelProvider) -> str:
     """One line of Markdown for the page: loading, ready or failed."""
-    if provider.error is not None:
-        return f"**Model failed to load:** {provider.error}"
+    if provider.failure is not None:
+        return f"**The model cannot be used:** {provider.failure}"
     if not provider.ready:
         return f"**Loading the model…** ({provider.loading_seconds:.0f} s so far)"
     m = provider.get()

@@ -115,7 +115,7 @@ class FilesPanel:
             path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
             return self._resumed(values, path, self.tab.settings.cache(values), "Resumed")
         except SettingsMismatch as mismatch:
-            return self._mismatched(values[self.resume], mismatch)
+            return self._mismatched(values, mismatch)
         except (Refusal, SnapshotError) as err:
             return self._refused(str(err)) | self._no_adopt()
 
@@ -126,10 +126,9 @@ class FilesPanel:
                     | self._no_adopt())
         path, differences = values[self.mismatched]
         try:
-            cache, controls = self.tab.settings.adopt(values, differences)
-            taken = ", ".join(f"{d.name} {getattr(cache, d.name)}" for d in differences)
-            outcome = f"Resumed with the file's cache settings ({taken})"
-            return self._resumed(values, path, cache, outcome) | controls
+            adopted = self.tab.settings.adopt(values, differences, wait_for_model(self.tab.provider).model)
+            outcome = f"Resumed with the file's cache settings ({adopted.summary})"
+            return self._resumed(values, path, adopted.cache, outcome) | adopted.updates
         except (Refusal, SnapshotError) as err:
             return self._refused(str(err)) | self._no_adopt()
 
@@ -164,18 +163,20 @@ class FilesPanel:
                  self.status: f"{outcome}: {stats.tokens} tokens, {stats.cache.held} cache slots."}
                 | self._shown(state) | self._views(values, state) | self._no_adopt())
 
-    def _mismatched(self, path: str, mismatch: SettingsMismatch) -> dict:
+    def _mismatched(self, values: dict, mismatch: SettingsMismatch) -> dict:
         """Refuse a file of other cache settings, naming every difference; offer to
-        adopt them where the page can set them all."""
+        adopt them where the page can set them all and they make a cache the model can
+        hold (the same check as adopting them)."""
         message = ("this session was saved with other cache settings: "
                    + describe_differences(mismatch.differences, "in the file", "on the page"))
         try:
-            self.tab.settings.check_adoptable(mismatch.differences)
+            self.tab.settings.adopt(values, mismatch.differences, wait_for_model(self.tab.provider).model)
         except Refusal as why:
             return self._refused(f"{message}; {why}") | self._no_adopt()
         return (self._refused(f"{message}. Set the cache settings to the file's, or use the file's settings "
                               "with the button below.")
-                | {self.adopt: gr.update(visible=True), self.mismatched: (str(path), mismatch.differences)})
+                | {self.adopt: gr.update(visible=True),
+                   self.mismatched: (str(values[self.resume]), mismatch.differences)})
 
     def _no_adopt(self) -> dict:
         return {self.adopt: gr.update(visible=False), self.mismatched: None}

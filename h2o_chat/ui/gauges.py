@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from h2o_chat.config import CacheConfig
-from h2o_chat.engine.build import MEGABYTE
+from h2o_chat.config import MEGABYTE, Budget, CacheConfig
 from h2o_chat.sessions import SessionStats
 
 # For each gauge's gr.HTML (css_template, scoped to it). Text, greys and borders are the
@@ -101,7 +100,7 @@ def empty_gauge(label: str, budget: int | None, cache: CacheConfig | None = None
     """The gauge of a session not started yet, with ``cache``'s bits and byte budget where given."""
     planned = {} if cache is None else {
         "key_bits": cache.key_bits, "value_bits": cache.value_bits,
-        "budget_bytes": None if cache.budget_mb is None else int(cache.budget_mb * MEGABYTE)}
+        "budget_bytes": None if cache.budget_mb is None else Budget.of_megabytes(cache.budget_mb).bytes}
     return gauge_html(Gauge(label, 0, 0, 0, 0, budget, 0, 0, 0.0, 0.0, **planned))
 
 

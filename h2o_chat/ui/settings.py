@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
-from h2o_chat.config import POLICIES, STORAGE_BITS, AppConfig, CacheConfig, ConfigError, validate
-from h2o_chat.engine.build import BUDGETS, MEGABYTE, cache_from_config, policy_from_config
+from h2o_chat.config import POLICIES, STORAGE_BITS, AppConfig, Budget, CacheConfig, ConfigError, validate
+from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.state import SettingDifference
 
@@ -43,13 +45,16 @@ class Settings:
                 self.seed = gr.Textbox("" if gen.seed is None else str(gen.seed),
                                        label="seed (empty = random)", placeholder="random",
                                        elem_id="seed")
-            # No ``minimum`` on the number boxes: Gradio's own check would refuse a bad
-            # value with a message that does not name the setting; ``cache`` names it.
+            # No ``minimum`` on the number boxes, and dropdowns that take any value: Gradio's
+            # own checks would refuse a bad value (sent to the page's endpoints by hand)
+            # with a message that does not name the setting and a traceback in the server
+            # log; ``cache`` refuses it by name, as the config file's rules do.
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
                 self.policy = gr.Dropdown(
                     list(POLICIES), value=cache.policy, label="cache policy", elem_id="policy",
+                    allow_custom_value=True,
                     info="which tokens the model keeps in memory once the budget is full "
                          "(h2o: sink + recent + heavy; full: keeps all)")
                 # A slot holds one token's keys and values, in every layer and KV head.
@@ -69,10 +74,12 @@ class Settings:
                 bits = [MODEL_DTYPE, *(str(b) for b in STORAGE_BITS)]
                 self.key_bits = gr.Dropdown(
                     bits, value=_bits_choice(cache.key_bits), label="key bits", elem_id="key-bits",
+                    allow_custom_value=True,
                     info="how precisely each kept key is stored: fewer bits, more slots per MB "
                          "(keys are the fragile half: 8 keeps answers)")
                 self.value_bits = gr.Dropdown(
                     bits, value=_bits_choice(cache.value_bits), label="value bits", elem_id="value-bits",
+                    allow_custom_value=True,
                     info="the same for values, which take 4 bits with little loss")
                 # A text box, for the seed's reason: empty means "count slots instead".
                 self.budget_mb = gr.Textbox(
@@ -121,11 +128,12 @@ class Settings:
                                     for d in fixed)
                           + ": the page cannot change it; set it in the config file and restart the app")
 
-    def adopt(self, values: dict, differences: Iterable[SettingDifference]) -> tuple[CacheConfig, dict]:
+    def adopt(self, values: dict, differences: Iterable[SettingDifference], model: Any) -> Adopted:
         """The cache settings with a saved session's values where they differ from the
-        page's, checked like ``cache``, and the updates that show them in the controls.
-        A setting the file's policy does not use keeps the page's value; a ``Refusal``
-        if the page cannot take them (see ``check_adoptable``) or one is bad."""
+        page's, checked like ``cache`` and against ``model`` (its context), and the
+        updates that show them in the controls. A setting the file's policy does not use
+        keeps the page's value; a ``Refusal`` naming the setting if the page cannot take
+        them (see ``check_adoptable``) or one is bad."""
         differences = list(differences)
         self.check_adoptable(differences)
         # Bits left at the model's dtype and a budget in slots are left out of a file's
@@ -135,9 +143,12 @@ class Settings:
         try:
             cache = self._cache(values, {_CONFIG_NAMES.get(name, name): _config_value(name, value)
                                          for name, value in taken.items()})
-        except Refusal as refusal:
+            new_cache(model, cache)
+        except (Refusal, ConfigError) as refusal:
             raise Refusal(f"the file's cache settings: {refusal}") from None
-        return cache, {self.cache_controls[name]: _shown_value(name, value) for name, value in taken.items()}
+        shown = {name: _shown_value(name, value) for name, value in taken.items()}
+        return Adopted(cache, {self.cache_controls[name]: value for name, value in shown.items()},
+                       ", ".join(f"{_CONFIG_NAMES.get(name, name)} {value}" for name, value in shown.items()))
 
     def _cache(self, values: dict, taken: dict[str, Any]) -> CacheConfig:
         """The page's cache settings with ``taken`` in place of some, checked."""
@@ -165,6 +176,16 @@ class Settings:
         gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink,
                                                self.key_bits, self.value_bits, self.budget_mb)],
               changed, {state, *self.components}, outputs, show_progress="hidden")
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A saved session's cache settings taken into the page's: the settings to resume
+    with, the updates that show them in the controls, and what was taken, in words."""
+
+    cache: CacheConfig
+    updates: dict
+    summary: str
 
 
 def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
@@ -211,14 +232,17 @@ _CONFIG_NAMES = {"budget_bytes": "budget_mb"}
 
 
 def _config_value(name: str, saved: Any) -> Any:
-    return saved / MEGABYTE if name == "budget_bytes" and saved is not None else saved
+    """A saved setting as the config holds it; a file's budget in bytes is read (and
+    refused by name) as the Python API reads one."""
+    return Budget.of_bytes(saved).megabytes if name == "budget_bytes" and saved is not None else saved
 
 
 def _shown_value(name: str, saved: Any) -> Any:
     if name in ("key_bits", "value_bits"):
         return _bits_choice(saved)
     if name == "budget_bytes":
-        return "" if saved is None else f"{saved / MEGABYTE:g}"
+        # 12 digits: every budget in whole bytes (at most 10^12) reads back as itself.
+        return "" if saved is None else f"{Budget.of_bytes(saved).megabytes:.12g}"
     return saved
 
 
@@ -226,14 +250,15 @@ def _bits_choice(bits: int | None) -> str:
     return MODEL_DTYPE if bits is None else str(bits)
 
 
-def _bits(choice: str | None) -> int | None:
-    """The dropdown's choice as bits; anything else is handed on for the config's check."""
+def _bits(choice: Any) -> Any:
+    """The dropdown's choice as bits. The page's endpoints take any JSON value, so
+    anything but a choice or a number is handed on as it is, for the config's check to
+    refuse by name."""
     if choice in (None, MODEL_DTYPE):
         return None
-    try:
+    if isinstance(choice, str) and re.fullmatch(r"\s*[0-9]{1,6}\s*", choice):
         return int(choice)
-    except ValueError:
-        return choice
+    return choice
 
 
 def _megabytes(text: str | None) -> float | None:
