@@ -20,7 +20,7 @@ import yaml
 
 # The cache policies, by name: config validation, the UI, the command line and the bench
 # all read this list; ``h2o_chat.engine.policies.make_policy`` builds each.
-POLICIES = ("full", "h2o", "recent", "sink")
+POLICIES = ("full", "h2o", "recent", "sink", "turns")
 # Storage precisions of cached keys and values, in bits (cache.key_bits, cache.value_bits).
 STORAGE_BITS = (32, 16, 8, 4)
 # A cache budget is given in megabytes (cache.budget_mb: the config file, the command line,
@@ -222,10 +222,10 @@ ENVIRONMENT_OVERRIDES = {"H2O_CHAT_USERNAME": "server.username", "H2O_CHAT_PASSW
 
 def check_cache_budgets(policy: str, heavy: int, recent: int) -> None:
     """The budget rules that involve more than one field."""
-    if policy == "h2o" and heavy + recent < 1:
+    if policy in ("h2o", "turns") and heavy + recent < 1:
         raise ConfigError(
             f"cache.heavy + cache.recent = {heavy + recent}: must be >= 1 "
-            "when cache.policy is 'h2o' (the cache needs at least one evictable slot)",
+            f"when cache.policy is {policy!r} (the cache needs at least one evictable slot)",
             field="cache.heavy",
         )
     if policy in ("recent", "sink") and recent < 1:

@@ -74,8 +74,11 @@ class Generation:
 
     @property
     def chunk_end(self) -> int:
-        """Where the chunk being fed ends: the cache evicts only there."""
-        return min(self.chunk_start + self.chunk, len(self.tokens))
+        """Where the chunk being fed ends: the cache evicts only there. A chunk ends where a
+        turn begins, too, so a turn-aware cache can close the turn before it there."""
+        end = min(self.chunk_start + self.chunk, len(self.tokens))
+        turn = self.cache.turn_start_after(self.chunk_start)
+        return end if turn is None else min(end, turn)
 
     @property
     def is_decode(self) -> bool:

@@ -21,9 +21,13 @@ class ReferenceRule:
     """State of the rule: alive flags and accumulated scores, per layer."""
 
     def __init__(self, heavy: int, recent: int, sink: int, protected: tuple[int, int] | None = None,
-                 norm: str = "sum"):
+                 norm: str = "sum", turns: tuple[int, ...] = ()):
         self.heavy, self.recent, self.sink, self.norm = heavy, recent, sink, norm
         self.protected = protected
+        # Turn starts (the turns policy): a slot scores only with its own turn's queries,
+        # and with the mean norm its score becomes its mass per query when its turn closes.
+        self.turns = turns
+        self.opened: dict[int, int] = {}  # layer -> the open turn's start
         self.alive: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) bool
         self.score: dict[int, torch.Tensor] = {}  # layer -> (batch, kv_heads, T) float32
 
@@ -46,6 +50,13 @@ class ReferenceRule:
         new_score = torch.zeros(batch, kv_heads, grow)
         self.alive[layer] = torch.cat([self.alive.get(layer, new_alive[..., :0]), new_alive], -1)
         self.score[layer] = torch.cat([self.score.get(layer, new_score[..., :0]), new_score], -1)
+        first = total - q_len  # this pass's first position
+        opened = max([start for start in self.turns if start <= first], default=0)
+        if opened > self.opened.get(layer, 0):
+            for p in range(self.opened.get(layer, 0), first):
+                if self.norm == "mean":
+                    self.score[layer][..., p] /= first - p
+            self.opened[layer] = opened
 
         # Standard causal mask over absolute positions, and dead slots masked for each head.
         if mask is None:
@@ -61,7 +72,8 @@ class ReferenceRule:
         output = (probs @ values).transpose(1, 2).to(query.dtype)
 
         received = probs.view(batch, kv_heads, groups, q_len, total).sum(dim=(2, 3))
-        self.score[layer] += received * self.alive[layer]
+        scoring = self.alive[layer] & (torch.arange(total) >= self.opened.get(layer, 0))
+        self.score[layer] += received * scoring
         self.evict(layer)
         return output.contiguous(), probs
 
@@ -83,7 +95,8 @@ class ReferenceRule:
                 middle = [p for p in candidates if p not in windows]
 
                 def rank(p: int) -> float:
-                    return float(score[b, h, p]) / ((seen - p) if self.norm == "mean" else 1)
+                    final = p < self.opened.get(layer, 0)  # its turn closed
+                    return float(score[b, h, p]) / ((seen - p) if self.norm == "mean" and not final else 1)
 
                 by_score = sorted(middle, key=lambda p: (-rank(p), p))
                 keep |= set(by_score[: budget - len(keep)])

@@ -22,11 +22,25 @@ ROWS = [
 
 
 def new_cache(model, row):
-    budgets = {k: v for k, v in row.items() if k not in ("policy", "prompt", "pin", "rolling")}
+    budgets = {k: v for k, v in row.items() if k not in ("policy", "prompt", "pin", "rolling", "turns")}
     cache = make_cache(model, row["policy"], rolling=row.get("rolling", False), **budgets)
     if row["pin"]:
         cache.protect(*row["pin"])
+    for start in row.get("turns", ()):
+        cache.mark_turn(start)
     return cache
+
+
+def read_prompt(model, cache, prompt):
+    """``forward_one`` over a fresh cache's prompt, in passes that end where turns begin,
+    as a session feeds them."""
+    start = 0
+    while start < prompt.shape[1]:
+        turn = cache.turn_start_after(start)
+        end = prompt.shape[1] if turn is None else min(turn, prompt.shape[1])
+        logits = forward_one(model, cache, prompt[:, start:end])
+        start = end
+    return logits
 
 
 def kept(cache):
@@ -41,7 +55,7 @@ def prompts(seed=0):
 def decode_alone(model, row, prompt, steps):
     cache = new_cache(model, row)
     with torch.inference_mode():
-        logits = forward_one(model, cache, prompt)
+        logits = read_prompt(model, cache, prompt)
         tokens = []
         for _ in range(steps):
             tokens.append(int(logits.argmax()))
@@ -135,7 +149,10 @@ def test_rows_in_a_pool_decode_as_alone_and_leave_it_owning_their_memory(tiny_mo
 # buffer for every row, their scores in one addition, and evict in one pass.
 SUMMING = [dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=40, pin=(3, 9)),
            dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=(35, 38)),  # decoded tokens pinned
-           dict(policy="h2o", heavy=8, recent=8, sink=0, prompt=45, pin=(0, 12), score_norm="mean")]
+           dict(policy="h2o", heavy=8, recent=8, sink=0, prompt=45, pin=(0, 12), score_norm="mean"),
+           # Turns closed in the prompt: rows beside plain h2o ones score and rank their own way.
+           dict(policy="turns", heavy=8, recent=6, sink=2, prompt=42, pin=None, turns=(10, 30), score_norm="mean"),
+           dict(policy="turns", heavy=6, recent=4, sink=1, prompt=36, pin=(2, 5), turns=(20,))]
 
 
 def test_pooled_rows_written_and_scored_at_once_keep_what_each_keeps_alone(tiny_model, monkeypatch):
@@ -147,7 +164,7 @@ def test_pooled_rows_written_and_scored_at_once_keep_what_each_keeps_alone(tiny_
     caches = [new_cache(tiny_model, row) for row in SUMMING]
     step, tokens, updates = DecodeStep(), [[] for _ in SUMMING], []
     with torch.inference_mode():
-        logits = [forward_one(tiny_model, cache, ids) for cache, ids in zip(caches, prompt)]
+        logits = [read_prompt(tiny_model, cache, ids) for cache, ids in zip(caches, prompt)]
         update = H2OLayer.update
         monkeypatch.setattr(H2OLayer, "update", lambda *args, **kwargs: updates.append(1) or update(*args, **kwargs))
         for _ in range(steps):
@@ -160,7 +177,7 @@ def test_pooled_rows_written_and_scored_at_once_keep_what_each_keeps_alone(tiny_
     for row, cache in enumerate(caches):
         alone = new_cache(tiny_model, SUMMING[row])
         with torch.inference_mode():
-            forward_one(tiny_model, alone, prompt[row])
+            read_prompt(tiny_model, alone, prompt[row])
             for token in tokens[row]:
                 forward_one(tiny_model, alone, torch.tensor([[token]]))
         assert (tokens[row], kept(cache)) == decode_alone(tiny_model, SUMMING[row], prompt[row], steps)

@@ -378,3 +378,54 @@ def test_reserve_gives_a_full_cache_room_and_a_bounded_one_none(tiny_model):
     logits = feed(tiny_model, full, ids[:, :25], 1)  # 25 tokens: no layer moves to new buffers
     assert all(layer.size == 140 and torch.equal(layer.keys[:, :, :40], kept) for layer, kept in zip(full.layers, before))
     assert torch.isfinite(logits).all()
+
+
+def _feed_turns(model, cache, tokens, turns, chunk, mark):
+    """Feed ``tokens`` (1, n) from position ``cache``'s seen on, in chunks that end where a
+    turn begins; ``mark`` tells the cache where each turn begins first (the engine)."""
+    logits, start, seen = [], 0, cache.get_seq_length()
+    for begin in turns:
+        if mark and begin >= seen:
+            cache.mark_turn(begin)
+    while start < tokens.shape[1]:
+        end = min(start + chunk, tokens.shape[1])
+        end = min([end] + [t - seen for t in turns if start < t - seen < end])
+        logits.append(feed(model, cache, tokens[:, start:end], end - start))
+        start = end
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("norm", ["sum", "mean"])
+def test_turns_keep_scores_to_their_turn_as_the_reference_rule(tiny_model, norm):
+    """The turns policy: a slot scores only with its own turn's queries (with the mean
+    norm, its mass per query once the turn closes), in prompt chunks and in decoding,
+    turns beginning both inside the prompt and while decoding."""
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 128, (1, 90))
+    turns = (25, 60, 100, 115)
+    cache = make_cache(tiny_model, "turns", heavy=10, recent=6, sink=2, score_norm=norm)
+    rule = ReferenceRule(10, 6, 2, norm=norm, turns=turns)
+    reference_cache = StoredAsCache(tiny_model.config, cache.storage)
+
+    def both(tokens, chunk):
+        engine = _feed_turns(tiny_model, cache, tokens, turns, chunk, mark=True)
+        tiny_model.set_attn_implementation(REFERENCE_NAME)
+        try:
+            with use_rule(rule):
+                reference = _feed_turns(tiny_model, reference_cache, tokens, turns, chunk, mark=False)
+        finally:
+            tiny_model.set_attn_implementation(ATTENTION_NAME)
+        return engine, reference
+
+    engine, reference = both(prompt, 16)
+    logits = [(engine, reference)]
+    for _ in range(40):
+        logits.append(both(logits[-1][0][:, -1:].argmax(-1), 1))
+    torch.testing.assert_close(torch.cat([e for e, _ in logits], 1), torch.cat([r for _, r in logits], 1),
+                               rtol=1e-4, atol=1e-4)
+    assert_same_positions(cache, rule)
+    assert cache.turns.opened == 115 and cache.stats().turn_starts == list(turns)
+    plain = run_engine_and_reference(tiny_model, prompt, steps=40, chunk=16, heavy=10, recent=6, sink=2,
+                                     score_norm=norm)[2]
+    assert [layer.positions.tolist() for layer in plain.stats().layers] != \
+        [layer.positions.tolist() for layer in cache.stats().layers]  # turns change the choice

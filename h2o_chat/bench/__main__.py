@@ -71,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, help="chat: MT-Bench questions (2 turns each)")
     p.add_argument("--max-new-tokens", type=int, help="chat: reply length cap per turn")
     p.add_argument("--chat-budget", type=int, default=512, help="chat: cache slots (default 512)")
+    p.add_argument("--chat-runs", default=",".join(long_chat.FACT_RUNS),
+                   help=f"chat: runs of the fact set, a comma list of {', '.join(long_chat.RUN_LABELS)}")
+    p.add_argument("--callbacks", type=int, default=8,
+                   help="chat: questions of the second set (second turns asked about the first; 0: none)")
+    p.add_argument("--callback-runs", default=",".join(long_chat.CALLBACK_RUNS),
+                   help="chat: runs of the second set, as --chat-runs")
     p.add_argument("--tokens", type=int, help="rolling: book tokens streamed (past the model's 8192 trained context)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="continuation: tokens per prefill pass (default 256, the app's cache.prefill_chunk_size)")
@@ -115,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--gpu-models: unknown {sorted(unknown)}; choose from {', '.join(gpu_models.MODEL_NAMES)}")
     args.out = args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")
     return args
+
+
+def _labels(spec: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in spec.split(",") if part.strip())
 
 
 def variant_factory(spec: str | None) -> Callable[[int], Variant] | None:
@@ -242,7 +252,8 @@ TABLE: dict[str, Comparison] = {
     "chat": _one_page(
         "long_chat", "5. A long chat: MT-Bench, one session per policy",
         lambda b: long_chat.run(b.model, b.tokenizer, b.args.questions, b.args.max_new_tokens,
-                                b.args.chat_budget, extra=b.extra, log=log),
+                                b.args.chat_budget, runs=_labels(b.args.chat_runs), callbacks=b.args.callbacks,
+                                callback_runs=_labels(b.args.callback_runs), extra=b.extra, log=log),
         report.chat_plot, report.chat_markdown),
     "rolling": _one_page(
         "rolling", "6. Position rolling past the trained context",

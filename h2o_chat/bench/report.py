@@ -283,9 +283,18 @@ def chat_markdown(result: dict) -> str:
                       for k in sorted(probes)),
             " / ".join(f"{statistics.mean(nll[k]):.2f}" for k in sorted(nll)) or None,
         ])
-    return md_table(["run", "budget", "turns", "slots after turn 0", "slots at end", "slots once full (min–max)",
-                     "KV MB in use turn 0", "in use at end", "allocated at end", "tokens seen", "s/turn (mean)", "s last turn",
-                     "recalled after N turns", "answer NLL after N turns (nats/token, name+code)"], rows)
+    table = md_table(["run", "budget", "turns", "slots after turn 0", "slots at end", "slots once full (min–max)",
+                      "KV MB in use turn 0", "in use at end", "allocated at end", "tokens seen", "s/turn (mean)",
+                      "s last turn", "recalled after N turns", "answer NLL after N turns (nats/token, name+code)"],
+                     rows)
+    callbacks = result.get("callbacks") or {}
+    if not callbacks:
+        return table
+    after = result["config"]["callback_after"]
+    rows = [[label] + [f"{statistics.mean(q['nll'][i] for q in per_question):.3f}" for i in range(len(after))]
+            for label, per_question in callbacks.items()]
+    heading = "**Callbacks** (second turns asked about the first; the reference answer's NLL, nats/token):"
+    return f"{table}\n\n{heading}\n\n" + md_table(["run"] + [f"after {k} turns" for k in after], rows)
 
 
 def chat_plot(result: dict, path: Path) -> None:

@@ -26,8 +26,8 @@ from .quant import KVStorage
 from .rope import RopeShifter
 
 # The columns of a step's plan, one row of integers per batch row.
-TOKEN, ROPE, SLOT, POSITION, PINNED, START, END, EVICTS, RANKING = range(9)
-FIELDS = 9
+TOKEN, ROPE, SLOT, POSITION, PINNED, START, END, EVICTS, RANKING, OPENED = range(10)
+FIELDS = 10
 
 
 @dataclass
@@ -46,11 +46,12 @@ class Segment:
     scored: bool  # some row's policy ranks by attention mass
     bounded: bool
     rankings: frozenset[int]
+    turns: bool  # some row's scores stay with their turn (``turns.py``)
 
     @property
     def key(self) -> tuple:
         """What a captured step of this segment depends on beyond its plan."""
-        return (self.pool.serial, self.pool.generation, self.rows, self.scored, self.rankings)
+        return (self.pool.serial, self.pool.generation, self.rows, self.scored, self.rankings, self.turns)
 
 
 def plan_row(cache: H2OCache, token: int) -> list[int]:
@@ -65,7 +66,7 @@ def plan_row(cache: H2OCache, token: int) -> list[int]:
     # Rolling: the new token sits right after the held slots, so the model rotates its
     # key and query at that rank instead of its absolute position.
     rope_position = held if cache.rolling else seen
-    return [token, rope_position, held, seen, pinned, start, end, evicts, rule.ranking]
+    return [token, rope_position, held, seen, pinned, start, end, evicts, rule.ranking, cache.turns.opened]
 
 
 class StepBatch:
@@ -120,7 +121,7 @@ class StepBatch:
             slow = self.real.copy()
         else:
             seen, held, real = self.seen, self.held, self.real
-            plan[:, START], plan[:, RANKING] = last[:, START], last[:, RANKING]
+            plan[:, START], plan[:, RANKING], plan[:, OPENED] = last[:, START], last[:, RANKING], last[:, OPENED]
             plan[real, POSITION], plan[real, SLOT] = seen[real], held[real]
             plan[real, ROPE] = np.where(self.rolling, held, seen)[real]
             # The recent window slides by one unpinned token, the sink stays.

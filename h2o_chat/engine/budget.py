@@ -47,12 +47,20 @@ class ByteBudget:
         return self.bytes // self.token_bytes
 
 
+# Of a turn-aware cache's slots after the sink, the share its recent window takes: the turn
+# being read and answered keeps its slots by the scores it still collects (closed turns'
+# are final), so the window only has to cover the newest tokens, and the rest goes to the
+# heavy hitters of every turn (the long-chat benchmark measured 1/2, 1/8, 1/16, 1/32).
+TURNS_RECENT_SHARE = 16
+
+
 def split_slots(policy: str, slots: int, sink: int) -> dict[str, int]:
     """The budgets of ``policy`` that fill ``slots``: after the sink, h2o gives heavy and
-    recent equal halves (the paper's split), sink and recent keep only a window."""
-    if policy == "h2o":
-        recent = (slots - sink) // 2
-        return {"sink": sink, "recent": recent, "heavy": slots - sink - recent}
+    recent equal halves (the paper's split), turns a sixteenth to the recent window and
+    the rest to heavy hitters, sink and recent keep only a window."""
+    if policy in ("h2o", "turns"):
+        recent = (slots - sink) // (2 if policy == "h2o" else TURNS_RECENT_SHARE)
+        return {"sink": sink, "recent": max(1, recent), "heavy": slots - sink - max(1, recent)}
     if policy == "sink":
         return {"sink": sink, "recent": slots - sink}
     return {"recent": slots}

@@ -17,9 +17,11 @@ from .policies import EvictionPolicy
 from .quant import KVStorage
 from .rope import RopeShifter
 from .slots import SlotGroup
+from .selection import RANK_MEAN
 from .spans import ProtectedSpans
 from .state import CacheStateMixin
 from .stats import CacheStats, LayerStats
+from .turns import TurnMarks
 
 # Room a cache that never evicts keeps for a reply's tokens: it grows by this much at a
 # time as it decodes (in the decode step, with its pool).
@@ -34,12 +36,14 @@ class H2OCache(CacheStateMixin, Cache):
                  storage: KVStorage = KVStorage(), byte_budget: ByteBudget | None = None) -> None:
         self.policy = policy
         self.spans = ProtectedSpans()
+        self.turns = TurnMarks()
         self.rolling = rope is not None
         self.storage = storage
         # With a budget in bytes, pinned tokens take their slots from the policy's share
         # (``_fit_budget``), so the cache holds at most the budget's tokens at rest.
         self.byte_budget = byte_budget
-        super().__init__(layers=[H2OLayer(policy, self.spans, rope, storage) for _ in range(num_layers)])
+        super().__init__(layers=[H2OLayer(policy, self.spans, rope, storage, self.turns)
+                                 for _ in range(num_layers)])
 
     @property
     def seen(self) -> int:
@@ -49,8 +53,42 @@ class H2OCache(CacheStateMixin, Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0:
+            self._close_turn()
             self._stack_layers()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def mark_turn(self, position: int) -> None:
+        """A turn begins at token ``position`` (not fed yet); a cache whose policy keeps
+        scores to their turn (``turns.py``) closes the turn before it on reaching it."""
+        if self.policy.marks_turns:
+            self.turns.mark(position)
+
+    def forget_turns_from(self, position: int) -> None:
+        """The tokens from ``position`` on were taken back: so are the turns they began."""
+        self.turns.forget_from(position)
+
+    def turn_start_after(self, position: int) -> int | None:
+        """Where the next turn after ``position`` begins, if marked: a pass must not
+        straddle it, since the turn before closes there."""
+        return self.turns.next_start_after(position)
+
+    def _close_turn(self) -> None:
+        """Close the open turn if this pass begins a later one: its slots' scores become
+        final, as the mass per query each received in its turn where the policy ranks by
+        the mean."""
+        turns, seen = self.turns, self.seen
+        start = turns.start_at_or_before(seen)
+        if start <= turns.opened:
+            return
+        self.leave_step()
+        if self.policy.ranking == RANK_MEAN:
+            with torch.inference_mode():
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        scores, positions = layer.scores, layer.positions
+                        received = (seen - positions).clamp(min=1).to(scores.dtype)
+                        scores.copy_(torch.where(positions >= turns.opened, scores / received, scores))
+        turns.opened = start
 
     def leave_step(self) -> None:
         """Take the counters back from the decode step, if it holds them: whatever changes
@@ -165,6 +203,7 @@ class H2OCache(CacheStateMixin, Cache):
             self._evict_all()
 
     def reset(self) -> None:
+        self.turns.opened = 0  # fed again from the start, the turns close again as it goes
         for layer in self.layers:
             layer.group = None  # every layer is emptied: nothing to hand back to the others
         super().reset()
@@ -267,6 +306,7 @@ class H2OCache(CacheStateMixin, Cache):
             key_bits=self._bits(self.storage.key_bits, "keys"),
             value_bits=self._bits(self.storage.value_bits, "values"),
             budget_bytes=None if self.byte_budget is None else self.byte_budget.bytes,
+            turn_starts=list(self.turns.starts) if self.policy.marks_turns else [],
         )
 
     def _bits(self, bits: int | None, name: str) -> int | None:

@@ -28,6 +28,7 @@ from .quant import KVStorage
 from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
+from .turns import TurnMarks
 
 
 class HeldSlots:
@@ -110,12 +111,13 @@ class H2OLayer(CacheLayerMixin):
     seen, held = Counted(), Counted()
 
     def __init__(self, policy: EvictionPolicy, spans: ProtectedSpans, rope: RopeShifter | None = None,
-                 storage: KVStorage = KVStorage()) -> None:
+                 storage: KVStorage = KVStorage(), turns: TurnMarks | None = None) -> None:
         # Not CacheLayerMixin.__init__: it assigns ``keys`` and ``values``, which here are
         # views of the slot buffers.
         self.is_initialized = False
         self.policy = policy
         self.spans = spans
+        self.turns = turns or TurnMarks()
         self.rope = rope
         self.storage = storage
         # Rolling moves keys to new positions. Keys kept as the model gives them are
@@ -281,7 +283,10 @@ class H2OLayer(CacheLayerMixin):
         if probabilities is not None:
             if self.attention_observer is not None:
                 self.attention_observer(probabilities)
-            self.policy.accumulate(self.scores, probabilities.sum(dim=(2, 3)))
+            received = probabilities.sum(dim=(2, 3))
+            if self.turns.opened:  # closed turns' scores are final
+                received = received * (self.positions >= self.turns.opened)
+            self.policy.accumulate(self.scores, received)
         if self.closes_group and not self.eviction_held:
             self.group.evict()
 
@@ -315,14 +320,16 @@ class H2OLayer(CacheLayerMixin):
         windows = {rule: self.spans.windows(self.seen, rule.sink, rule.recent) for rule in set(rules)}
         if len(windows) == 1:
             (rule, (start, end)), = windows.items()
-            return self.policy.capacity, RowBounds(self.pinned_slots, self.seen, start, end, rule.ranking)
+            return self.policy.capacity, RowBounds(self.pinned_slots, self.seen, start, end, rule.ranking,
+                                                   self.turns.opened)
 
         def per_row(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, device=self.device).view(-1, 1, 1)
 
         return self.policy.capacity, RowBounds(
             self.pinned_slots, self.seen, per_row([windows[rule][0] for rule in rules]),
-            per_row([windows[rule][1] for rule in rules]), per_row([rule.ranking for rule in rules]))
+            per_row([windows[rule][1] for rule in rules]), per_row([rule.ranking for rule in rules]),
+            self.turns.opened)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
         return {name: buffer[:, :, : self.held] for name, buffer in self._buffers.items()}

@@ -34,6 +34,8 @@ class EvictionPolicy:
     # Policies that rank slots by attention mass make the attention function compute
     # explicit softmax probabilities; the others can use the fused sdpa kernel.
     needs_scores: ClassVar[bool] = False
+    # Whether the cache keeps each slot's score to its own turn (``turns.TurnMarks``).
+    marks_turns: ClassVar[bool] = False
     ranking: ClassVar[int] = RANK_RECENCY
     sink = 0
     recent = 0
@@ -145,6 +147,17 @@ class H2OPolicy(EvictionPolicy):
         return described | ({"score_norm": self.norm} if self.norm != "sum" else {})
 
 
+class TurnsPolicy(H2OPolicy):
+    """H2O whose scores stay with their turn: a slot is scored by the queries of its own
+    turn only, so later turns cannot wear down what an early turn kept (``turns.py``).
+    ``norm="mean"`` closes each turn's scores as the mass per query each slot received in
+    its turn, so a long turn's slots do not outrank a short one's for its length alone.
+    Where nothing marks turns (a story), it is h2o."""
+
+    name = "turns"
+    marks_turns = True
+
+
 def make_policy(name: str, *, heavy: int = 0, recent: int = 0, sink: int = 0,
                 score_norm: str = "sum") -> EvictionPolicy:
     """Build a policy by name; budgets (and the h2o score normalisation) that a policy
@@ -154,8 +167,8 @@ def make_policy(name: str, *, heavy: int = 0, recent: int = 0, sink: int = 0,
     check_cache_budgets(name, heavy, recent)
     if name == "full":
         return FullPolicy()
-    if name == "h2o":
-        return H2OPolicy(heavy=heavy, recent=recent, sink=sink, norm=score_norm)
+    if name in ("h2o", "turns"):
+        return (H2OPolicy if name == "h2o" else TurnsPolicy)(heavy=heavy, recent=recent, sink=sink, norm=score_norm)
     if name == "recent":
         return RecentPolicy(recent=recent)
     return SinkPolicy(sink=sink, recent=recent)

@@ -15,16 +15,19 @@ import torch
 
 # How a policy ranks its middle slots (``EvictionPolicy.ranking``).
 RANK_SCORE = 0  # accumulated attention
-RANK_MEAN = 1  # accumulated attention per query received
+RANK_MEAN = 1  # accumulated attention per query received (final where a turn closed)
 RANK_RECENCY = 2  # newer first
 
 
 def ranking_key(ranking: int | torch.Tensor, scores: torch.Tensor, positions: torch.Tensor,
-                seen: int | torch.Tensor, rankings: frozenset[int] | None = None) -> torch.Tensor:
+                seen: int | torch.Tensor, rankings: frozenset[int] | None = None,
+                opened: int | torch.Tensor = 0) -> torch.Tensor:
     """Each slot's key (float32, higher stays). ``ranking`` is one of the ``RANK_*``
     for every row, or a tensor of them per row; ``seen`` the tokens seen (the newest
     position + 1), likewise. ``rankings``: which kinds the tensor holds, where known
-    (kinds absent are not computed)."""
+    (kinds absent are not computed). ``opened``: the first position of the open turn
+    (``turns.TurnMarks``); slots before it hold a final score, which a turn-aware cache
+    turned into a mean when their turn closed."""
     kinds = {ranking} if isinstance(ranking, int) else (rankings or {RANK_SCORE, RANK_MEAN, RANK_RECENCY})
     keys = {}
     if RANK_SCORE in kinds:
@@ -33,7 +36,10 @@ def ranking_key(ranking: int | torch.Tensor, scores: torch.Tensor, positions: to
         # Exact in float32 for any age below 2**24 tokens.
         age = (seen - positions).to(torch.float32)
         if RANK_MEAN in kinds:
-            keys[RANK_MEAN] = scores / age.clamp(min=1)
+            mean = scores / age.clamp(min=1)
+            if not (isinstance(opened, int) and opened == 0):
+                mean = torch.where(positions >= opened, mean, scores)
+            keys[RANK_MEAN] = mean
         if RANK_RECENCY in kinds:
             keys[RANK_RECENCY] = -age
     if len(keys) == 1:

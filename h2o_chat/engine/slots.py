@@ -38,13 +38,15 @@ class RowBounds:
     """What the eviction rule needs of a cache beside its slots, from the host (the same for
     every layer): pinned slots per head, tokens seen, and per batch row the windows
     ``[start, end)`` (``spans.ProtectedSpans.windows``) and the ranking (``RANK_*``), as
-    ints or tensors of ``(batch, 1, 1)``."""
+    ints or tensors of ``(batch, 1, 1)``; ``opened``: where the open turn begins
+    (``turns.TurnMarks``)."""
 
     pinned: int
     seen: int
     start: int | torch.Tensor
     end: int | torch.Tensor
     ranking: int | torch.Tensor
+    opened: int = 0
 
 
 def evict_slots(buffers: dict[str, torch.Tensor], held: int, capacity: int | None, bounds: RowBounds,
@@ -62,7 +64,7 @@ def evict_slots(buffers: dict[str, torch.Tensor], held: int, capacity: int | Non
     over = held - bounds.pinned - capacity
     held_slots = {name: buffer[:, :, :held] for name, buffer in buffers.items()}
     positions, pinned = held_slots["positions"], held_slots["pinned"]
-    key = ranking_key(bounds.ranking, held_slots["scores"], positions, bounds.seen)
+    key = ranking_key(bounds.ranking, held_slots["scores"], positions, bounds.seen, opened=bounds.opened)
     middle = middle_slots(positions, pinned, bounds.start, bounds.end)
     if over == 1:  # as at every decode step: no sort
         drop_newest_into(held_slots, lowest_slot(key, positions, middle), held - 1, None, rope)

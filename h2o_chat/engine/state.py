@@ -89,6 +89,8 @@ class CacheStateMixin:
                            "size": layer.size if initialized else 0, "has_padding": layer.has_padding})
         info = {"settings": self.settings(), "protected": [list(span) for span in self.spans.ranges],
                 "layers": layers}
+        if self.policy.marks_turns:
+            info["turns"] = {"starts": list(self.turns.starts), "opened": self.turns.opened}
         return tensors, info
 
     def settings(self) -> dict[str, int | str | bool]:
@@ -129,13 +131,31 @@ class CacheStateMixin:
         spans = [(start, end) for start, end in info["protected"]]
         if not all(type(x) is int and x >= 0 for span in spans for x in span):
             raise ValueError(f"protected spans {info['protected']!r} must be pairs of integers >= 0")
+        turns = _checked_turns(info.get("turns"), seen.pop()) if self.policy.marks_turns else None
         for layer, slots, counters in zip(self.layers, per_layer, info["layers"]):
             if counters["initialized"]:
                 layer.restore(slots, counters["size"], counters["seen"], counters["has_padding"], device)
             else:
                 layer.reset()
         self.spans.ranges[:] = spans  # in place: the layers share this object
+        if turns is not None:
+            self.turns.starts[:], self.turns.opened = turns  # in place, likewise
         self._fit_budget()
+
+
+def _checked_turns(turns: Any, seen: int) -> tuple[list[int], int]:
+    """A saved state's turn starts and open turn, checked: sorted distinct positions, the
+    open turn's start one of them (or 0) and no later than the tokens seen."""
+    if not isinstance(turns, dict) or set(turns) != {"starts", "opened"}:
+        raise ValueError("the saved state has no turns ({'starts': [...], 'opened': n}), which its policy keeps")
+    starts, opened = turns["starts"], turns["opened"]
+    if (not isinstance(starts, list) or not all(type(x) is int and x >= 0 for x in starts)
+            or starts != sorted(set(starts))):
+        raise ValueError(f"turn starts {starts!r} must be increasing integers >= 0")
+    if type(opened) is not int or not 0 <= opened <= seen or (opened and opened not in starts):
+        raise ValueError(f"the open turn's start {opened!r} must be 0 or one of the turn starts, "
+                         f"at most the tokens seen ({seen})")
+    return starts, opened
 
 
 def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, storage: KVStorage,

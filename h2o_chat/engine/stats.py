@@ -3,7 +3,7 @@ and the tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class CacheStats:
     key_bits: int | None = None
     value_bits: int | None = None
     budget_bytes: int | None = None
+    # Where each turn begins, for a cache that keeps scores to their turn (else empty).
+    turn_starts: list[int] = field(default_factory=list)
 
     @property
     def budget_reached(self) -> bool:

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import hand_over, scored_attention, sdpa_attention
-from .batch import END, EVICTS, PINNED, POSITION, RANKING, ROPE, SLOT, START, TOKEN, Segment, StepBatch
+from .batch import END, EVICTS, OPENED, PINNED, POSITION, RANKING, ROPE, SLOT, START, TOKEN, Segment, StepBatch
 from .cache import H2OCache
 from .graphs import StepGraphs
 from .layer import write_bookkeeping
@@ -164,7 +164,8 @@ class DecodeStep:
             segments.append(Segment(
                 pool, ordered, rows, offset, first.storage, first.rope, first.key_rotation is not None,
                 scored=any(cache.policy.needs_scores for cache in ordered),
-                bounded=signature[1], rankings=frozenset(cache.policy.ranking for cache in ordered)))
+                bounded=signature[1], rankings=frozenset(cache.policy.ranking for cache in ordered),
+                turns=any(cache.policy.marks_turns for cache in ordered)))
             offset += rows
         return segments
 
@@ -285,7 +286,10 @@ class _Rows:
         if not seg.scored:
             return sdpa_attention(query, keys, values, self.visible, scaling)
         output, probabilities = scored_attention(query, keys, values, self.visible, scaling)
-        buffers["scores"].add_(probabilities.sum(dim=(2, 3)))
+        received = probabilities.sum(dim=(2, 3))
+        if seg.turns:  # slots of closed turns keep their final scores
+            received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
+        buffers["scores"].add_(received)
         return output
 
     def store_new(self) -> None:
@@ -307,7 +311,8 @@ class _Rows:
         seg, buffers = self.seg, self.buffers
         positions = buffers["positions"]
         ranking = next(iter(seg.rankings)) if len(seg.rankings) == 1 else self.per_row(RANKING)
-        key = ranking_key(ranking, buffers["scores"], positions, self.per_row(POSITION) + 1, seg.rankings)
+        key = ranking_key(ranking, buffers["scores"], positions, self.per_row(POSITION) + 1, seg.rankings,
+                          self.per_row(OPENED) if seg.turns else 0)
         middle = middle_slots(positions, buffers["pinned"], self.per_row(START), self.per_row(END),
                               self.live[None, :, None, :])
         rope = seg.rope if seg.rotates_in_place else None

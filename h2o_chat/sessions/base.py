@@ -278,6 +278,7 @@ class Session:
         for span in set(self.cache.spans.ranges) - set(self._fixed_pins):
             if span[1] > length:  # a pin on the tokens taken back (pinned as sent)
                 self.cache.unprotect(*span)
+        self.cache.forget_turns_from(length)
         if self.fed > length:
             self._rebuild_cache(length)
         del self.tokens[length:]

@@ -57,7 +57,10 @@ class ChatSession(Session):
         if history:
             # Encoded apart from the system prompt, as turns are, so the protected span
             # covers exactly the system prompt's tokens.
-            self._template_text, new_tokens, _ = self._render_new(self.messages + history, False)
+            self._template_text, new_tokens, contents = self._render_new(self.messages + history, False)
+            for message, (start, _) in zip(history, contents):
+                if message["role"] == "user":
+                    self.cache.mark_turn(len(self.tokens) + start)
             self.tokens += new_tokens
             self.messages += history
 
@@ -101,6 +104,8 @@ class ChatSession(Session):
             start = len(self.tokens)
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._template_text = self._reply_start = rendered
+            # A turn begins with the user's words; the template before them ends the last.
+            self.cache.mark_turn(start + contents[-1][0])
             try:
                 yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop)
             except BaseException:

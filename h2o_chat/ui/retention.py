@@ -79,6 +79,10 @@ TOKEN_MAP_CSS = "\n".join(
         " column-gap: 12px; font-size: 11px; color: var(--body-text-color-subdued);"
         " margin-left: 2.6rem; }",
         ".heatnote { font-size: 12px; margin: 6px 0 0 2.6rem; color: var(--body-text-color); }",
+        ".turnlegend { font-size: 12px; margin: 6px 0 0 2.6rem; }",
+        ".turnshares { display: flex; height: 14px; margin: 4px 0 0 2.6rem; overflow: hidden;"
+        " border: 1px solid var(--border-color-primary); border-radius: 3px; }",
+        ".tshare { min-width: 1px; } .tshare.t0 { background: #1d4ed8; } .tshare.t1 { background: #93c5fd; }",
     ]
     + [
         f".k{k} {{ background: {_css_rgb(k / LEVELS)};"
@@ -299,6 +303,41 @@ def heatmap_html(rows: np.ndarray, selected_layer: int | None, caption: str,
     )
 
 
+def turn_shares(counts: np.ndarray, total: int, starts: Sequence[int], seen: int,
+                budget: int | None) -> list[tuple[int, int, float, float | None]]:
+    """Per turn of a turn-aware cache (``starts``: where each begins), ``(first, last
+    position, slots held per layer and KV head, share of the budget or None)``, oldest
+    first; what comes before the first turn (the system prompt) is a turn of its own."""
+    bounds = [0, *[s for s in starts if 0 < s < seen], seen]
+    shares = []
+    for first, end in zip(bounds, bounds[1:]):
+        if end > first:
+            held = float(counts[first:end].sum()) / total
+            shares.append((first, end - 1, held, None if not budget else held / budget))
+    return shares
+
+
+def turn_shares_html(shares: Sequence[tuple[int, int, float, float | None]]) -> str:
+    """A bar of the budget split between turns, oldest on the left, each turn's part
+    titled with its positions and what it holds, so a user sees which turns the cache
+    still remembers; empty where the cache does not keep turns."""
+    if not shares:
+        return ""
+    held = sum(share[2] for share in shares) or 1.0
+    parts = []
+    for index, (first, last, slots, of_budget) in enumerate(shares):
+        name = "before the first turn" if index == 0 and first == 0 else f"turn {index}"
+        budget_part = "" if of_budget is None else f", {of_budget:.0%} of the budget"
+        title = f"{name}, tokens #{first}–{last}: {slots:.1f} slots per layer and KV head{budget_part}"
+        parts.append(f'<span class="tshare t{index % 2}" style="flex-grow:{slots / held:.4f}" '
+                     f'title="{html.escape(title)}"></span>')
+    oldest = next((i for i, share in enumerate(shares) if share[0] > 0), None)
+    first_turn = "" if oldest is None else (
+        f"; the first turn holds {shares[oldest][2]:.1f} slots per layer and KV head")
+    return (f'<div class="turnlegend">Budget by turn, oldest left ({len(shares)} parts){first_turn}:'
+            f'</div><div class="turnshares">{"".join(parts)}</div>')
+
+
 def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
               layer: int | None, head: int | None,
               max_tokens: int = MAX_MAP_TOKENS, note: str = "") -> tuple[str, str]:
@@ -311,10 +350,14 @@ def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
                + " · layer 0 on top" + ("" if layer is None else f", layer {layer} outlined"))
     all_counts, everywhere = hold_counts(held)
     evicted = bool((all_counts[: stats.seen] < everywhere).any())
+    shares = []
+    if stats.turn_starts:
+        shares = turn_shares(all_counts, everywhere, stats.turn_starts, stats.seen, stats.budget)
     return (token_map_html(pieces, counts, total, stats.seen, max_tokens, note),
-            heatmap_html(heat_rows(held, head), layer, caption,
-                         layer_rows(held, head, stats.seen), _heat_legend(head),
-                         blocks_note(stats.policy, stats.pinned, evicted)))
+            turn_shares_html(shares)
+            + heatmap_html(heat_rows(held, head), layer, caption,
+                           layer_rows(held, head, stats.seen), _heat_legend(head),
+                           blocks_note(stats.policy, stats.pinned, evicted)))
 
 
 _PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenPieces
