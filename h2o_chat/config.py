@@ -11,7 +11,7 @@ import difflib
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -64,6 +64,16 @@ class CacheConfig:
     # from the bytes a slot takes (at the precision above, over all layers and KV heads),
     # pinned tokens counted; h2o splits them equally between heavy and recent.
     budget_mb: float | None = None
+
+
+def for_story(cache: CacheConfig) -> CacheConfig:
+    """The cache settings a story runs with. A story has no turns, so the turns policy
+    (a chat's) runs as h2o there, with h2o's even split of the same slots: a story
+    decodes as it did before turns existed, and its gauge and map say h2o."""
+    if cache.policy != "turns":
+        return cache
+    slots = cache.heavy + cache.recent
+    return replace(cache, policy="h2o", recent=slots // 2, heavy=slots - slots // 2)
 
 
 @dataclass

@@ -282,3 +282,28 @@ def test_nineteen_digit_seeds_are_taken_and_reproduce_the_reply(url, seed):
     first, _ = ask(url, [{"role": "user", "content": "Invent a name for a boat."}], **sampled)
     again, _ = ask(url, [{"role": "user", "content": "Invent a name for a boat."}], **sampled)
     assert first.choices[0].message.content == again.choices[0].message.content != ""
+
+
+def test_a_turns_server_replies_as_the_python_api_and_marks_turns_from_a_history_as_sent(smollm):
+    """The turns policy through the API: a continued conversation replies as ChatSession,
+    and one rebuilt on the same history (another client, its history read in prompt
+    chunks) marks the same turn starts."""
+    config = load_config(None, {"cache": {"policy": "turns", "sink": 4, "budget_mb": 1.0}})
+    model, tokenizer = smollm
+    reference = ChatSession(model, tokenizer, cache=cache_from_config(model, config.cache),
+                            system_prompt=config.generation.system_prompt)
+    texts = ["Tell me about the lighthouse keeper and the storm. " * 6, "What did the keeper do next?"]
+    expected = ["".join(reference.send(text, **SAME_AS_GREEDY)) for text in texts]
+    with serving(smollm, config) as url:
+        messages, replies = [], []
+        for text in texts:
+            messages.append({"role": "user", "content": text})
+            completion, _ = ask(url, messages)
+            replies.append(completion)
+            messages.append({"role": "assistant", "content": completion.choices[0].message.content})
+        rebuilt, _ = ask(url, messages[:-1], extra_headers={"X-Session-Id": "another-client"})
+    assert [r.choices[0].message.content for r in replies] == expected
+    h2o = replies[-1].model_extra["h2o"]
+    assert h2o["policy"]["policy"] == "turns" and h2o["evicted"] > 0
+    assert h2o["turn_starts"] == reference.cache.turns.starts and len(h2o["turn_starts"]) == 2
+    assert rebuilt.model_extra["h2o"]["turn_starts"] == h2o["turn_starts"]

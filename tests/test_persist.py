@@ -564,3 +564,34 @@ def test_the_pages_refuse_hostile_input_with_the_limit(views, tmp_path):
     with pytest.warns(UserWarning, match="messages holds 10,001 messages; the limit is 10,000"):
         update = chat.files.on_import(inputs(settings, chat, None) | {chat.files.import_json: str(upload)})
     assert chat.state not in update and update[chat.files.status].startswith("**Not loaded:**")
+
+
+def test_a_turns_chat_resumes_with_its_turns_and_identical_logits(smollm, tmp_path):
+    """The turns policy's marks and open turn travel in the file; crafted ones are refused
+    by the gate, naming the field, and leave the cache fresh."""
+    model, tokenizer = smollm
+    chat = ChatSession(model, tokenizer, cache=small_cache(model, "turns"), system_prompt="Be brief.")
+    for text in ("Name three fruits.", "And three colours?", "One more fruit?"):
+        "".join(chat.send(text, temperature=0, max_new_tokens=12))
+    assert len(chat.cache.turns.starts) == 3 and chat.cache.turns.opened == chat.cache.turns.starts[-1]
+    path = save_session(chat, tmp_path / "turns.h2o-session.zip")
+    resumed = load_session(path, model, tokenizer, small_cache(model, "turns"), kind="chat")
+    assert resumed.cache.turns.starts == chat.cache.turns.starts
+    assert resumed.cache.turns.opened == chat.cache.turns.opened
+    assert_continues_identically(model, chat, resumed)
+
+    manifest, _ = read_manifest(path)
+    state = manifest["cache"]
+    starts = state["turns"]["starts"]
+    for turns, message in [
+        (None, r"cache.turns must be an object with starts and opened"),
+        ({"starts": [starts[1], starts[0]], "opened": 0}, r"cache.turns.starts\[1\] = \d+: must be an integer from"),
+        ({"starts": starts + [10**9], "opened": 0}, r"cache.turns.starts\[3\] = 1000000000"),
+        ({"starts": starts, "opened": starts[0] + 1}, r"cache.turns.opened = \d+: must be 0 or one of the turn starts"),
+        ({"starts": list(range(10**5)), "opened": 0}, r"cache.turns.starts must be a list of at most"),
+    ]:
+        crafted = {key: value for key, value in state.items() if key != "turns"}
+        if turns is not None:
+            crafted["turns"] = turns
+        refused(smollm, rewritten(path, tmp_path, manifest | {"cache": crafted}), message,
+                cache=small_cache(model, "turns"))

@@ -174,3 +174,30 @@ def test_maps_html_says_nothing_is_evicted_before_the_budget_fills(tiny_model):
     feed(tiny_model, cache, torch.randint(0, 128, (1, 10)), 5)
     _, heat_map = retention.maps_html([f"t{i}" for i in range(10)], cache.stats(), 2, None, None)
     assert "Nothing evicted yet" in heat_map and "Solid block" not in heat_map
+
+
+def test_the_map_shows_the_budget_by_turn(tiny_model):
+    """A turns cache: one part per turn (what comes before the first one too), each titled
+    with its positions and the slots it holds, which add up to what the cache holds."""
+    cache = make_cache(tiny_model, "turns", heavy=12, recent=4, sink=2)
+    starts = (20, 45, 70)
+    for start in starts:
+        cache.mark_turn(start)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 90))
+    for begin, end in zip((0, *starts), (*starts, 90)):
+        feed(tiny_model, cache, ids[:, begin:end], end - begin)
+    stats = cache.stats()
+    _, heat = retention.maps_html(["x"] * 90, stats, 2, None, None)
+    titles = re.findall(r'class="tshare t\d" style="flex-grow:[\d.]+" title="([^"]+)"', heat)
+    assert [t.split(",")[0] for t in titles] == ["before the first turn", "turn 1", "turn 2", "turn 3"]
+    assert titles[1].startswith("turn 1, tokens #20–44: ") and titles[3].startswith("turn 3, tokens #70–89: ")
+    slots = [float(re.search(r": ([\d.]+) slots per layer", t)[1]) for t in titles]
+    assert sum(slots) == pytest.approx(stats.held, abs=0.2)
+    first = np.mean([((layer.positions >= 20) & (layer.positions < 45)).sum(-1).float().mean().item()
+                     for layer in stats.layers])
+    assert slots[1] == pytest.approx(first, abs=0.05)
+    assert "Budget by turn" in heat
+    plain = make_cache(tiny_model, "h2o", heavy=12, recent=4, sink=2)
+    feed(tiny_model, plain, ids, 30)
+    assert "Budget by turn" not in retention.maps_html(["x"] * 90, plain.stats(), 2, None, None)[1]

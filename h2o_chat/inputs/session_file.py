@@ -71,6 +71,8 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
     if not isinstance(layers, Sequence) or len(layers) != len(cache.layers):
         raise InputError(f"{where}.layers must list the model's {len(cache.layers)} layers", f"{where}.layers")
     pinned = _pinned_tokens(state.get("protected"), tokens, f"{where}.protected")
+    if cache.policy.marks_turns:
+        _check_turns(state.get("turns"), tokens, fed, f"{where}.turns")
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -91,6 +93,23 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
                     "held slots plus room for one prefill chunk or a doubling")
         stored = cache.storage.layout(head_dim, model.dtype)
         _check_layer_tensors(tensors, index, (1, heads, held), stored, model.dtype, fed, capacity, pinned)
+
+
+def _check_turns(turns: Any, tokens: int, fed: int, field: str) -> None:
+    """Where a turn-aware cache's turns begin (increasing, within the tokens) and the
+    open turn's start (0 or one of them, among the tokens fed)."""
+    if not isinstance(turns, Mapping) or set(turns) != {"starts", "opened"}:
+        raise InputError(f"{field} must be an object with starts and opened (this cache keeps turns)", field)
+    starts = turns["starts"]
+    if not isinstance(starts, Sequence) or len(starts) > tokens:
+        raise InputError(f"{field}.starts must be a list of at most {tokens} positions", f"{field}.starts")
+    last = -1
+    for index, start in enumerate(starts):
+        last = require_int(start, f"{field}.starts[{index}]", last + 1, tokens - 1, "after the one before, "
+                           "within the tokens")
+    opened = require_int(turns["opened"], f"{field}.opened", 0, fed, "the tokens fed")
+    if opened and opened not in starts:
+        raise InputError(f"{field}.opened = {opened}: must be 0 or one of the turn starts", f"{field}.opened")
 
 
 def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import gradio as gr
 
 from h2o_chat.inputs import InputLimits
-from h2o_chat.config import CacheConfig
+from h2o_chat.config import CacheConfig, for_story
 from h2o_chat.engine.state import describe_differences
 from h2o_chat.sessions.files import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
 from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_transcript
@@ -146,13 +146,17 @@ class FilesPanel:
         """Updates of ``_session_outputs`` showing ``state``."""
         raise NotImplementedError
 
+    def _runs_with(self, cache: CacheConfig) -> CacheConfig:
+        """The settings the view's sessions run with, from the page's."""
+        return cache
+
     # ---- helpers --------------------------------------------------------------------------
 
     def _resumed(self, values: dict, path: Path, cache: CacheConfig, outcome: str) -> dict:
         """Resume the session file at ``path`` on a fresh cache of ``cache`` settings, in
         place of the view's session; SnapshotError or Refusal if it cannot be."""
         loaded = wait_for_model(self.tab.provider)
-        session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, cache),
+        session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, self._runs_with(cache)),
                                kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
                                limits=InputLimits.of(self.tab.server))
         state = self._new_state(loaded, cache, session)
@@ -268,3 +272,6 @@ class StoryFiles(FilesPanel):
 
     def _shown(self, state: ViewState) -> dict:
         return {self.tab.bible: state.bible, self.tab.story: state.session.text}
+
+    def _runs_with(self, cache: CacheConfig) -> CacheConfig:
+        return for_story(cache)

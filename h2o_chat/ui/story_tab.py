@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from h2o_chat.config import AppConfig, CacheConfig
+from h2o_chat.config import AppConfig, CacheConfig, for_story
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import StorySession
@@ -38,7 +38,7 @@ class StoryState(ViewState):
         super().__init__(loaded)
         self.bible = bible
         self.session = StorySession(loaded.model, loaded.tokenizer,
-                                    cache=new_cache(loaded.model, cache),
+                                    cache=new_cache(loaded.model, for_story(cache)),
                                     bible=bible_prefix(bible),
                                     prefill_chunk_size=cache.prefill_chunk_size,
                                     limits=limits)
