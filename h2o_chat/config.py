@@ -46,9 +46,11 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    policy: str = "h2o"  # one of POLICIES
-    heavy: int = 128
-    recent: int = 128
+    # One of POLICIES. turns: a chat's scores stay with their turn, so its small recent
+    # window leaves the rest of the 260 slots to heavy hitters (a story runs h2o, 128/128).
+    policy: str = "turns"
+    heavy: int = 240
+    recent: int = 16
     sink: int = 4
     # h2o ranking: "sum" of attention received (the paper) or its "mean" per query.
     score_norm: str = "sum"
@@ -62,7 +64,8 @@ class CacheConfig:
     value_bits: int | None = None
     # A budget in megabytes per conversation instead of slot counts: the slots follow
     # from the bytes a slot takes (at the precision above, over all layers and KV heads),
-    # pinned tokens counted; h2o splits them equally between heavy and recent.
+    # pinned tokens counted; h2o splits them equally between heavy and recent, turns
+    # gives the recent window a sixteenth.
     budget_mb: float | None = None
 
 

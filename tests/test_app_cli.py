@@ -21,7 +21,7 @@ def test_flags_override_server_and_cache():
         "cache": {"policy": "sink", "recent": 64, "sink": 8},
     }
     config = load_config(None, app.overrides(args))
-    assert config.server.share and config.cache.recent == 64 and config.cache.heavy == 128
+    assert config.server.share and config.cache.recent == 64 and config.cache.heavy == 240
 
 
 def test_storage_and_byte_budget_flags_reach_the_cache_settings():

@@ -309,3 +309,20 @@ def test_bad_overrides_are_rejected(overrides, field):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_a_story_runs_a_turns_setting_as_h2o_split_evenly():
+    from h2o_chat.config import CacheConfig, for_story
+
+    turns = CacheConfig(policy="turns", heavy=240, recent=16, sink=4, budget_mb=2.0)
+    story = for_story(turns)
+    assert (story.policy, story.heavy, story.recent, story.sink, story.budget_mb) == ("h2o", 128, 128, 4, 2.0)
+    for other in (CacheConfig(policy="h2o", heavy=240, recent=16), CacheConfig(policy="sink", recent=64)):
+        assert for_story(other) is other
+
+
+def test_turns_is_a_policy_of_the_config_and_needs_a_slot_to_evict():
+    config = load_config(None, {"cache": {"policy": "turns", "heavy": 100, "recent": 8}})
+    assert config.cache.policy == "turns"
+    with pytest.raises(ConfigError, match=r"cache.heavy \+ cache.recent = 0: must be >= 1 when cache.policy is 'turns'"):
+        load_config(None, {"cache": {"policy": "turns", "heavy": 0, "recent": 0}})

@@ -94,7 +94,7 @@ def test_bits_and_a_budget_in_megabytes_reach_new_chats_and_compares_at_equal_by
         assert (stats.key_bits, stats.value_bits, stats.budget_bytes) == (8, 4, 800_000)
         assert stats.seen > stats.held and stats.held_bytes <= 800_000
         assert stats.budget == budget(chosen, loaded.model)
-    assert compare.labels[BOUNDED] == "h2o cache (0.8 MB, K8/V4)"
+    assert compare.labels[BOUNDED] == "turns cache (0.8 MB, K8/V4)"
     assert compare.sides[FULL].cache.storage == KVStorage()  # the full side keeps the model's precision
     compare.close()
 

@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-rows", default="1,16,32", help="step: comma list of rows decoding together")
     p.add_argument("--step-history", type=int, default=512, help="step: tokens each row has read (default 512)")
     p.add_argument("--step-slots", type=int, default=128, help="step: cache slots of each row (default 128)")
+    p.add_argument("--step-policies", default="h2o",
+                   help="step: comma list of policies timed side by side (h2o first: the others' ratios are to it)")
     p.add_argument("--step-rounds", type=int, default=5, help="step: timed rounds alternating the row counts")
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
@@ -269,7 +271,7 @@ TABLE: dict[str, Comparison] = {
         serve.plot, serve.markdown),
     "step": Comparison("step", lambda b: ("step", step.run(
         b.model, b.tokenizer, [int(n) for n in b.args.step_rows.split(",")], b.args.step_history, b.args.step_slots,
-        b.args.step_rounds, steps=4, log=log)), lambda b, result: [
+        b.args.step_rounds, steps=4, policies=_labels(b.args.step_policies), log=log)), lambda b, result: [
         ("step", "The decode step's cost as conversations are added", step.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",

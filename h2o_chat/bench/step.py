@@ -68,20 +68,23 @@ def profile_step(run: Callable[[], object], device: torch.device) -> dict:
     return result
 
 
-def conversations(model, tokenizer, count: int, history: int, slots: int, storage: dict) -> list:
+def conversations(model, tokenizer, count: int, history: int, slots: int, storage: dict,
+                  policy: str = "h2o") -> list:
     """``count`` caches that read unlike histories of ``history`` tokens, the first
-    ``SYSTEM_TOKENS`` pinned."""
+    ``SYSTEM_TOKENS`` pinned; a turns cache's history is two turns, the second open."""
     ids = tokenizer(data.read_text(data.BOOK), add_special_tokens=False).input_ids
     stride = max(1, (len(ids) - history) // max(1, count))
     caches = []
     with torch.inference_mode():
         for index in range(count):
-            cache = make_cache(model, "h2o", heavy=(slots - 4) // 2, recent=(slots - 4) - (slots - 4) // 2,
+            cache = make_cache(model, policy, heavy=(slots - 4) // 2, recent=(slots - 4) - (slots - 4) // 2,
                                sink=4, **storage)
             cache.protect(0, SYSTEM_TOKENS)
+            cache.mark_turn(history // 2)  # only a turns cache keeps it
             passage = torch.tensor([ids[index * stride : index * stride + history]], device=model.device)
-            for piece in passage.split(256, dim=1):
-                forward_one(model, cache, piece)
+            for half in passage.split(history // 2, dim=1):
+                for piece in half.split(256, dim=1):
+                    forward_one(model, cache, piece)
             cache.fit_for_decoding()
             caches.append(cache)
     return caches
@@ -104,39 +107,52 @@ def stepper(model, caches: list, seed: int = 0) -> Callable[[], list[int]]:
     return run
 
 
-def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int, steps: int, log=print) -> dict:
+def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int, steps: int,
+        policies: tuple[str, ...] = ("h2o",), log=print) -> dict:
+    """Per precision, every policy's step at every row count, timed in rounds that
+    alternate them all."""
     device = model.device
     results = []
     for precision, storage in PRECISIONS.items():
         runs = {}
-        for count in rows:
-            runs[count] = stepper(model, conversations(model, tokenizer, count, history, slots, storage))
-            for _ in range(3):  # the rows join the pools; graphs are captured on CUDA
-                runs[count]()
-            results.append({"precision": precision, "rows": count} | profile_step(runs[count], device))
-        seconds = {count: [] for count in rows}
+        for policy in policies:
+            for count in rows:
+                runs[policy, count] = stepper(model, conversations(model, tokenizer, count, history, slots, storage,
+                                                                   policy))
+                for _ in range(3):  # the rows join the pools; graphs are captured on CUDA
+                    runs[policy, count]()
+                results.append({"precision": precision, "policy": policy, "rows": count}
+                               | profile_step(runs[policy, count], device))
+        seconds = {key: [] for key in runs}
+        keys = list(runs)
         for index in range(rounds):
-            order = rows[index % len(rows):] + rows[: index % len(rows)]
-            for count in order:
+            for key in keys[index % len(keys):] + keys[: index % len(keys)]:
                 synchronize(device)
                 started = time.perf_counter()
                 for _ in range(steps):
-                    runs[count]()
+                    runs[key]()
                 synchronize(device)
-                seconds[count].append((time.perf_counter() - started) / steps)
+                seconds[key].append((time.perf_counter() - started) / steps)
         for result in results:
             if result["precision"] == precision:
-                result["step_ms"] = 1000 * statistics.median(seconds[result["rows"]])
-                result["step_ms_runs"] = [1000 * s for s in seconds[result["rows"]]]
-        log(f"step {precision}: " + ", ".join(f"{r['rows']} rows {r['step_ms']:.1f} ms, {r['ops']} ops"
+                key = (result["policy"], result["rows"])
+                result["step_ms"] = 1000 * statistics.median(seconds[key])
+                result["step_ms_runs"] = [1000 * s for s in seconds[key]]
+        log(f"step {precision}: " + ", ".join(f"{r['policy']} {r['rows']} rows {r['step_ms']:.1f} ms, {r['ops']} ops"
                                                for r in results if r["precision"] == precision))
-    return {"rows": rows, "history": history, "slots": slots, "results": results, "targets": targets(results)}
+    return {"rows": rows, "history": history, "slots": slots, "policies": list(policies), "results": results,
+            "targets": targets(results)}
 
 
 def targets(results: list[dict]) -> list[str]:
     """The issue's CPU targets, from one run."""
-    by = {(r["precision"], r["rows"]): r for r in results}
+    by = {(r["precision"], r["rows"]): r for r in results if r["policy"] == "h2o"}
     lines = []
+    for r in results:
+        if r["policy"] != "h2o" and (r["precision"], r["rows"]) in by:
+            h2o = by[r["precision"], r["rows"]]
+            lines.append(f"{r['policy']} / h2o, {r['precision']}, {r['rows']} rows: step {r['step_ms'] / h2o['step_ms']:.3f}x, "
+                         f"ops {r['ops']} / {h2o['ops']}")
     counts = sorted({r["rows"] for r in results})
     one, most = counts[0], counts[-1]
     for precision in PRECISIONS:
@@ -155,9 +171,10 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    table = md_table(["slots", "rows", "tensor ops / step", "host reads / step", "step ms", "ms a row"],
-                     [[r["precision"], r["rows"], r["ops"], r["host_reads"], f"{r['step_ms']:.1f}",
+    table = md_table(["slots", "policy", "rows", "tensor ops / step", "host reads / step", "step ms", "ms a row"],
+                     [[r["precision"], r["policy"], r["rows"], r["ops"], r["host_reads"], f"{r['step_ms']:.1f}",
                        f"{r['step_ms'] / r['rows']:.2f}"] for r in result["results"]])
     head = (f"Each row: {result['history']} tokens of its own passage of the book read (the first "
-            f"{SYSTEM_TOKENS} pinned), h2o with {result['slots']} slots; the app's sampling.")
+            f"{SYSTEM_TOKENS} pinned; a turns row read it as two turns), with {result['slots']} slots; the app's "
+            "sampling.")
     return "\n\n".join([head, table, "\n".join(f"- {line}" for line in result["targets"])])
