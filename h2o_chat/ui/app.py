@@ -76,6 +76,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
+        settings.fold_on_load(demo)
         fold_when_narrow(demo)
         for script in (ESC_STOPS, TAP_SHOWS_TITLE):
             demo.load(None, js=script)
