@@ -214,7 +214,8 @@ def configure(page: Page, **numbers: float) -> None:
 
 def ran_with(page: Page, view: str) -> dict[str, str]:
     """The settings the view's latest reply ran with, from its small print
-    (``#<view>-ran-with``), by the element ids of the controls that set them."""
+    (``#<view>-ran-with``): the sampling settings by the element ids of their controls,
+    and ``policy`` and ``budget``."""
     return page.locator(f"#{view}-ran-with .ran-with").evaluate(
         "e => Object.fromEntries([...e.attributes].filter(a => a.name.startsWith('data-'))"
         "                                         .map(a => [a.name.slice(5), a.value]))")
