@@ -5,6 +5,7 @@ drives /usr/bin/chromium (``make test`` installs it)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -134,7 +135,9 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
     page = browser.new_context(viewport={"width": width, "height": height}, **context).new_page()
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Model ready')", timeout=120_000)
-    page.evaluate("() => { window.openedByTest = true; }")  # gone if the page reloads
+    # The page folds its settings panel as it loads (ui/settings.py); a click on the
+    # header before that would have folded the panel rather than opened it.
+    expect(page.locator("#settings .label-wrap")).not_to_have_class(re.compile(r"(^|\s)open(\s|$)"))
 
     def navigated(frame) -> None:
         # Gradio reloads a page whose event stream broke; a failed test's captured output
@@ -146,38 +149,25 @@ def open_app(browser, url: str, width: int = 1400, height: int = 1000, **context
     return page
 
 
-def reloaded(page: Page) -> bool:
-    """Whether the page loaded again since ``open_app`` (Gradio reloads a page whose
-    connection it lost, and the page then holds its default settings again)."""
-    return not page.evaluate("() => window.openedByTest === true")
-
-
 def _number_control(page: Page, elem_id: str) -> tuple[Locator, Locator]:
     """The box a number is typed into, and what shows the value taken (the slider, where
     the control has one)."""
     box = page.locator(f"#{elem_id} input[type=number], #{elem_id} textarea")
-    # Counted once the control is drawn (a settings panel just opened draws its controls
-    # a moment later): counted before, a slider looked like a plain box, and the typed
-    # text itself ("1.0" for 1) was then compared with the value.
+    # Counted once the control is visible (a panel opening shows it a moment later):
+    # counted before, a slider looked like a plain box, and the typed text itself ("1.0"
+    # for 1) was then compared with the value.
     expect(box).to_be_visible()
     sliders = page.locator(f"#{elem_id} input[type=range]")
     return box, sliders if sliders.count() else box  # plain number boxes have no slider
 
 
 def set_number(page: Page, elem_id: str, value: float) -> None:
+    """Type ``value`` into the number control ``#elem_id`` once, as a user does, and wait
+    until what shows the value taken (the slider) shows it."""
     box, slider = _number_control(page, elem_id)
-    # The slider does not always take a typed value (seen on a busy machine: a 32-token
-    # limit and temperature 0 ignored, so the event sent the defaults): type it again
-    # until the slider shows it.
-    for _ in range(5):
-        box.fill(str(value))
-        box.press("Enter")
-        box.blur()
-        try:
-            expect(slider).to_have_value(f"{value:g}", timeout=2_000)
-            return
-        except AssertionError:
-            continue
+    box.fill(str(value))
+    box.press("Enter")
+    box.blur()
     expect(slider).to_have_value(f"{value:g}")
 
 
@@ -195,42 +185,40 @@ def show_settings(page: Page, shown: bool = True) -> None:
     header = page.locator("#settings .label-wrap")
     if ("open" in header.get_attribute("class").split()) != shown:
         header.click()
+    expect(page.locator("#settings [data-testid=accordion-content]")).to_be_visible(visible=shown)
 
 
-def _wanted(numbers: dict[str, float]) -> dict[str, float]:
+def _by_elem_id(numbers: dict[str, float]) -> dict[str, float]:
     """``configure``'s settings by element id (``max_new_tokens`` -> ``max-new-tokens``),
     greedy unless ``temperature`` is given."""
     return {name.replace("_", "-"): value for name, value in {"temperature": 0, **numbers}.items()}
 
 
-def settings_lost(page: Page, **numbers: float) -> dict[str, str]:
-    """Which of the settings ``configure`` was given the page no longer shows, with what
-    it shows instead, by element id (empty: all as typed). Asserted after a reply that
-    did not follow them, it tells whether the page went back to its defaults or only the
-    event it sent did."""
-    shown = {elem_id: (_number_control(page, elem_id)[1].input_value(), f"{value:g}")
-             for elem_id, value in _wanted(numbers).items()}
-    return {elem_id: value for elem_id, (value, typed) in shown.items() if value != typed}
+def typed_settings(**numbers: float) -> dict[str, str]:
+    """What the page shows once ``configure(page, **numbers)`` has typed them, by element id."""
+    return {elem_id: f"{value:g}" for elem_id, value in _by_elem_id(numbers).items()}
+
+
+def shown_settings(page: Page, *elem_ids: str) -> dict[str, str]:
+    """What the number controls ``elem_ids`` show now, by element id."""
+    return {elem_id: _number_control(page, elem_id)[1].input_value() for elem_id in elem_ids}
 
 
 def configure(page: Page, **numbers: float) -> None:
-    """Open the settings and set number boxes by element id (``max_new_tokens`` ->
-    ``#max-new-tokens``). Greedy decoding unless ``temperature`` is given."""
+    """Open the settings and type into number controls by element id (``max_new_tokens``
+    -> ``#max-new-tokens``), once each. Greedy decoding unless ``temperature`` is given."""
     show_settings(page)
-    wanted = _wanted(numbers)
-    for elem_id, value in wanted.items():
+    for elem_id, value in _by_elem_id(numbers).items():
         set_number(page, elem_id, value)
-    # A control typed into while the panel is still being drawn can go back to its first
-    # value a moment later, with nothing reloaded (seen on a loaded machine: the panel's
-    # first slider at 0.7 again once the others were set, and the turn sampled at 0.7).
-    # So all are read again once every one was typed, until one pass finds them as typed.
-    for _ in range(5):
-        lost = settings_lost(page, **numbers)
-        if not lost:
-            return
-        for elem_id in lost:
-            set_number(page, elem_id, wanted[elem_id])
-    raise AssertionError(f"the settings {lost} do not keep the values typed into them")
+
+
+def ran_with(page: Page, view: str) -> dict[str, str]:
+    """The settings the view's latest reply ran with, from its small print
+    (``#<view>-ran-with``): the sampling settings by the element ids of their controls,
+    and ``policy`` and ``budget``."""
+    return page.locator(f"#{view}-ran-with .ran-with").evaluate(
+        "e => Object.fromEntries([...e.attributes].filter(a => a.name.startsWith('data-'))"
+        "                                         .map(a => [a.name.slice(5), a.value]))")
 
 
 # Installed before a click: notes every Gradio status tracker that shows from then on (the
@@ -319,23 +307,6 @@ def send(page: Page, box: str, button: str, text: str) -> None:
     start_and_wait(page, button)
 
 
-def send_configured(page: Page, box: str, button: str, text: str, tab: str | None = None,
-                    **numbers: float) -> None:
-    """A fresh page's first turn on typed settings: ``configure`` (in ``tab``), then ``send``.
-    Where the page shows a typed setting back at its default after the reply, though
-    ``configure`` had read it as typed (the settings kind, docs/testing.md), that reply
-    proves nothing and the turn starts again on a reloaded page; the third reply stands
-    whatever it is, for the test's own checks to judge."""
-    for attempt in range(3):
-        if tab is not None:
-            open_tab(page, tab)
-        configure(page, **numbers)
-        send(page, box, button, text)
-        if attempt == 2 or not settings_lost(page, **numbers):
-            return
-        page.reload()
-
-
 def gauge(page: Page, elem_id: str) -> dict[str, str]:
     return page.locator(f"#{elem_id} .gauge").evaluate("e => ({...e.dataset})")
 
@@ -344,8 +315,20 @@ def messages(page: Page, chatbot: str, role: str) -> list[str]:
     return page.locator(f"#{chatbot} [data-testid={role}]").all_inner_texts()
 
 
+def after_next_frame(page: Page) -> None:
+    """Wait until the page has drawn two more animation frames: what waited for its next
+    frame has run."""
+    page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+
+
 def open_tab(page: Page, name: str) -> None:
+    """Open the tab ``name`` and wait until its controls hold their values: Gradio 6.31
+    draws a tab's controls when the tab first opens and, in the next animation frame,
+    hands each the value it was built with, so text typed before that frame is lost
+    (docs/design.md, "Settings")."""
     page.get_by_role("tab", name=name).click()
+    expect(page.get_by_role("tab", name=name)).to_have_attribute("aria-selected", "true")
+    after_next_frame(page)
 
 
 def page_errors(page: Page) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .browser_support import (
     DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, gauge, messages, open_app, open_tab, send,
-    set_number, settings_lost, start_and_wait,
+    ran_with, set_number, start_and_wait,
 )
 
 
@@ -71,7 +71,8 @@ def test_regenerate_and_undo_rebuild_the_chat(page):
     send(page, "#chat-input", "#chat-send", "Name a fruit.")
     first = messages(page, "chatbot", "bot")
     start_and_wait(page, "#chat-regenerate")
-    assert settings_lost(page, max_new_tokens=24) == {}
+    ran = ran_with(page, "chat")
+    assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "24")
     assert messages(page, "chatbot", "bot") == first  # greedy: the same reply again
     page.click("#chat-undo")
     page.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")

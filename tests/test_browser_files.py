@@ -10,7 +10,7 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from .browser_support import (choose, configure, gauge, messages, open_app, reloaded, running_app, send,
+from .browser_support import (choose, configure, gauge, messages, open_app, ran_with, running_app, send,
                               toasts)
 
 
@@ -136,7 +136,9 @@ def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(bro
         expect(page.locator("#server-load")).to_contain_text("· 0 generating")
         send(page, "#chat-input", "#chat-send", "And three colours?")
     replies = messages(second, "chatbot", "bot")
-    assert not reloaded(first) and not reloaded(second), "a page reloaded: its settings were lost"
+    for page in (first, second):
+        ran = ran_with(page, "chat")
+        assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "16"), f"the reply ran with {ran}"
     assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
     first.context.close()
     second.context.close()
@@ -183,7 +185,9 @@ def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app
         expect(page.locator("#server-load")).to_contain_text("· 0 generating")
         send(page, "#chat-input", "#chat-send", "And its lighthouses?")
     replies = messages(second, "chatbot", "bot")
-    assert not reloaded(first) and not reloaded(second), "a page reloaded: its settings were lost"
+    for page in (first, second):
+        ran = ran_with(page, "chat")
+        assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "16"), f"the reply ran with {ran}"
     assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
     first.context.close()
     second.context.close()

@@ -17,8 +17,8 @@ from h2o_chat.ui.settings import new_cache
 from playwright.sync_api import expect
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, messages, open_app, reloaded, running_app, seen,
-    watch_progress,
+    DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, messages, open_app, ran_with, running_app, seen,
+    typed_settings, watch_progress,
 )
 
 CONVERSATIONS = [
@@ -30,6 +30,10 @@ CONVERSATIONS = [
     ["Say hello in French.", "In Spanish?", "In German?", "In Italian?", "Which is shortest?"],
 ]
 MAX_NEW_TOKENS = 8
+# Each page samples with a seed of its own (the app's default temperature is 0.7 and no
+# seed): a page whose turn ran with other settings than typed answers something else.
+SAMPLED = {"temperature": 1, "top_p": 0.9, "max_new_tokens": MAX_NEW_TOKENS}
+SEEDS = [101, 102, 103, 104]
 LIMIT = 2  # generations at once: four browsers make two of them wait
 MAX_MESSAGE_CHARS = 2000
 
@@ -37,12 +41,8 @@ MAX_MESSAGE_CHARS = 2000
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     config = tmp_path_factory.mktemp("config") / "load.yaml"
-    # Greedy short replies by default too: a page that loses the settings typed into it
-    # (seen under heavy load, without a reload) still answers what the alone run does, so
-    # a wrong reply can only come from batching.
     config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n"
-                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n"
-                      f"generation:\n  temperature: 0\n  max_new_tokens: {MAX_NEW_TOKENS}\n")
+                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n")
     with running_app("--config", str(config)) as url:
         yield url
 
@@ -54,14 +54,15 @@ def _plain(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[*_`#]", "", text)).strip()
 
 
-def _alone(model, tokenizer, questions: list[str]) -> list[str]:
-    """The replies of the same conversation run alone, as the app runs it by default."""
+def _alone(model, tokenizer, questions: list[str], seed: int) -> list[str]:
+    """The replies of the same conversation run alone, on the app's default cache, sampled
+    as ``SAMPLED`` with ``seed``."""
     config = load_config()
     cache = config.cache
     session = ChatSession(model, tokenizer, new_cache(model, cache),
                           system_prompt=config.generation.system_prompt,
                           prefill_chunk_size=cache.prefill_chunk_size)
-    return ["".join(session.send(q, temperature=0, max_new_tokens=MAX_NEW_TOKENS)) for q in questions]
+    return ["".join(session.send(q, seed=seed, **SAMPLED)) for q in questions]
 
 
 def _server_line(page) -> str:
@@ -72,8 +73,8 @@ def test_four_browsers_five_turns_each_equal_their_conversations_run_alone(brows
     pages = [open_app(browser, app_url) for _ in CONVERSATIONS]
     queued = False
     try:
-        for page in pages:
-            configure(page, max_new_tokens=MAX_NEW_TOKENS)
+        for page, seed in zip(pages, SEEDS):
+            configure(page, seed=seed, **SAMPLED)
         for turn in range(5):
             for page, questions in zip(pages, CONVERSATIONS):
                 page.fill("#chat-input textarea", questions[turn])
@@ -88,12 +89,14 @@ def test_four_browsers_five_turns_each_equal_their_conversations_run_alone(brows
                 page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
             if turn == 0:
                 queued = any(seen(place) for place in places)
+            for page, seed in zip(pages, SEEDS):
+                typed, ran = typed_settings(seed=seed, **SAMPLED), ran_with(page, "chat")
+                assert {name: ran[name] for name in typed} == typed, f"turn {turn + 1} ran with {ran}"
         assert queued, "no page showed its place in the queue while two others generated"
-        assert not any(reloaded(page) for page in pages), "a page reloaded: its settings were lost"
-        for page, questions in zip(pages, CONVERSATIONS):
+        for page, questions, seed in zip(pages, CONVERSATIONS, SEEDS):
             assert messages(page, "chatbot", "user") == questions
             shown = [_plain(reply) for reply in messages(page, "chatbot", "bot")]
-            assert shown == [_plain(reply) for reply in _alone(*smollm, questions)]
+            assert shown == [_plain(reply) for reply in _alone(*smollm, questions, seed)]
     finally:
         for page in pages:
             page.context.close()

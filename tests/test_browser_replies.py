@@ -13,7 +13,7 @@ from h2o_chat.config import load_config
 from h2o_chat.ui.settings import new_cache
 
 from .browser_support import (
-    DONE_TIMEOUT_MS, configure, messages, open_tab, send, send_configured, set_number, start_and_wait,
+    DONE_TIMEOUT_MS, configure, messages, open_tab, send, set_number, start_and_wait,
 )
 
 LONG = "Write a long story about a dragon."  # greedy, far more than 24 tokens to say
@@ -39,7 +39,8 @@ def _greedy_replies(model, tokenizer, turns: list[tuple[str, int]]) -> list[str]
 
 
 def test_a_reply_cut_at_the_limit_is_marked_and_continue_extends_it(page, smollm):
-    send_configured(page, "#chat-input", "#chat-send", LONG, max_new_tokens=12)
+    configure(page, max_new_tokens=12)
+    send(page, "#chat-input", "#chat-send", LONG)
     first = messages(page, "chatbot", "bot")
     assert _chips(page, "chatbot") == ["… cut at the 12-token limit · continue"]
     start_and_wait(page, "#chatbot .option")
@@ -82,7 +83,9 @@ def test_a_stopped_reply_is_marked_and_continues(page):
 
 
 def test_compare_marks_both_sides_and_continue_extends_both_in_the_same_turn(page):
-    send_configured(page, "#compare-input", "#compare-send", LONG, tab="Compare", max_new_tokens=12)
+    open_tab(page, "Compare")
+    configure(page, max_new_tokens=12)
+    send(page, "#compare-input", "#compare-send", LONG)
     chats = ["compare-bounded-chat", "compare-full-chat"]
     first = {chat: messages(page, chat, "bot") for chat in chats}
     for chat in chats:

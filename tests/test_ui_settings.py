@@ -14,6 +14,7 @@ from h2o_chat.ui.chat_tab import ChatState
 from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
 from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.refusals import Refusal
+from h2o_chat.ui.reply_settings import ran_with
 from h2o_chat.ui.settings import MODEL_DTYPE, Settings, budget
 from h2o_chat.ui.story_tab import StoryState
 
@@ -163,3 +164,19 @@ def test_a_saved_budget_of_any_whole_number_of_bytes_is_taken_exactly(loaded):
         assert cache_from_config(loaded.model, adopted.cache).settings() == saved.settings()
         typed = values(settings, key_bits="8", value_bits="4", budget_mb=adopted.updates[settings.budget_mb])
         assert cache_from_config(loaded.model, settings.cache(typed)).settings() == saved.settings()
+
+
+def _small_print(html_text: str) -> dict[str, str]:
+    return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', html_text))
+
+
+def test_a_replys_small_print_names_the_settings_it_ran_with():
+    sampled = {"temperature": 1.0, "top_p": 0.8, "seed": 11, "max_new_tokens": 12}
+    shown = ran_with(sampled, CacheConfig(heavy=16, recent=8, sink=4))
+    assert _small_print(shown) == {"temperature": "1", "top-p": "0.8", "seed": "11",
+                                   "max-new-tokens": "12", "policy": "h2o", "budget": "28 slots"}
+    assert "Ran with temperature 1 · top-p 0.8 · seed 11 · up to 12 new tokens · h2o cache, 28 slots" in shown
+    # No seed typed: a new one per reply; a full cache has no budget; megabytes as set.
+    unseeded = ran_with(sampled | {"seed": None}, CacheConfig(policy="full"))
+    assert (_small_print(unseeded)["seed"], _small_print(unseeded)["budget"]) == ("random", "unbounded")
+    assert _small_print(ran_with(sampled, CacheConfig(budget_mb=1.5)))["budget"] == "1.5 MB"

@@ -14,6 +14,7 @@ from h2o_chat.runtime import ModelProvider
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap
+from .reload_notice import say_when_reloaded
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
 from .story_tab import StoryTab
@@ -41,6 +42,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
     with gr.Blocks(title="h2o-chat") as demo:
         gr.Markdown(INTRO)
         status = gr.Markdown(model_status(provider), elem_id="model-status")
+        say_when_reloaded(demo)
         settings = Settings(config)
         with gr.Tabs():
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
@@ -76,6 +78,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
+        settings.fold_on_load(demo)
         fold_when_narrow(demo)
         for script in (ESC_STOPS, TAP_SHOWS_TITLE):
             demo.load(None, js=script)

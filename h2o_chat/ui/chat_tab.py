@@ -18,6 +18,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .refusals import Refusal, refusing
 from .reply_marker import marked
+from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import (
@@ -94,9 +95,10 @@ class ChatTab:
                 # No label or copy-all icon (the tab names the view): they floated over
                 # the top message.
                 self.chatbot = gr.Chatbot(label="Chat", show_label=False, buttons=["copy"],
-                                          height="calc(100vh - 380px)", min_height=240,
+                                          height="calc(100vh - 410px)", min_height=240,
                                           editable="user", elem_id="chatbot",
                                           placeholder="Ask anything. Replies stream token by token.")
+                self.ran_with = ran_with_line("chat")
                 with gr.Row(equal_height=True):
                     self.text = gr.Textbox(placeholder="Type a message, Enter to send, Esc to stop",
                                            show_label=False, scale=5, elem_id="chat-input")
@@ -123,7 +125,7 @@ class ChatTab:
         self.swap = SendStopSwap(self.send, self.stop, self.state)
         turn_inputs = {self.state, self.swap.signal, self.text, self.system_prompt, self.map.live,
                        self.pin_message, *self.settings.components, *self.map.pickers}
-        outputs = [self.state, self.chatbot, self.text, self.gauge, *self.map.outputs,
+        outputs = [self.state, self.chatbot, self.ran_with, self.text, self.gauge, *self.map.outputs,
                    self.pin_message, *self.pins.outputs]
         # "multiple": a second Enter while a reply streams is refused with a message,
         # not dropped silently.
@@ -209,7 +211,8 @@ class ChatTab:
             except ValueError as err:
                 raise Refusal(str(err)) from None
             shown = state.shown()  # the reply so far last, without its chip
-            yield {self.state: state, self.chatbot: shown}
+            yield {self.state: state, self.chatbot: shown,
+                   self.ran_with: ran_with(sampling, state.cache)}
             # The chunks extend the reply's text up to a character its last token may have
             # left incomplete.
             yield from self._stream(values, state, stream, sampling, shown[:-1],
@@ -229,7 +232,7 @@ class ChatTab:
     def on_new(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
-        return {self.state: None, self.chatbot: [],
+        return {self.state: None, self.chatbot: [], self.ran_with: NOTHING_YET,
                 self.gauge: self.empty_gauge(cache),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
@@ -241,7 +244,8 @@ class ChatTab:
         except ValueError as err:
             raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
-        yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False}
+        yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False,
+               self.ran_with: ran_with(sampling, state.cache)}
         yield from self._stream(values, state, stream, sampling, shown)
 
     def _stream(self, values: dict, state: ChatState, stream: Iterator[str], sampling: dict,

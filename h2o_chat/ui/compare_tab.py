@@ -24,6 +24,7 @@ from .gauges import (
 from .map_panel import MapPanel
 from .refusals import Refusal, refusing
 from .reply_marker import marked
+from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
 from .settings import Settings, budget, new_cache
 from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot
@@ -62,6 +63,7 @@ class CompareState(ViewState):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, system_prompt: str,
                  limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
+        self.cache = cache  # the bounded side's
         model, tokenizer = loaded.model, loaded.tokenizer
 
         def session(kv_cache) -> ChatSession:
@@ -120,13 +122,14 @@ class CompareTab:
                 self.bounded_title = gr.Markdown(_title(bounded_label(config.cache)),
                                                  elem_id="compare-bounded-title")
                 self.bounded_chat = gr.Chatbot(show_label=False, buttons=["copy"],
-                                               height="calc(100vh - 490px)", min_height=200,
+                                               height="calc(100vh - 520px)", min_height=200,
                                                elem_id="compare-bounded-chat")
             with gr.Column():
                 gr.Markdown(_title(FULL_LABEL), elem_id="compare-full-title")
                 self.full_chat = gr.Chatbot(show_label=False, buttons=["copy"],
-                                            height="calc(100vh - 490px)", min_height=200,
+                                            height="calc(100vh - 520px)", min_height=200,
                                             elem_id="compare-full-chat")
+        self.ran_with = ran_with_line("compare")
         with gr.Row(equal_height=True):
             self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
                                    show_label=False, scale=5, elem_id="compare-input")
@@ -158,7 +161,7 @@ class CompareTab:
     @property
     def _outputs(self) -> list:
         return [self.state, self.text, self.bounded_title, self.bounded_chat, self.full_chat,
-                self.bounded_gauge,
+                self.ran_with, self.bounded_gauge,
                 self.full_gauge, self.divergence, self.memory_plot, self.slots_plot,
                 *self.fidelity.outputs, *self.map.outputs]
 
@@ -208,7 +211,8 @@ class CompareTab:
                      for side in state.sides}
             yield {self.state: state, self.text: "", self.full_chat: shown[FULL],
                    self.bounded_chat: shown[BOUNDED],
-                   self.bounded_title: _title(state.labels[BOUNDED])}
+                   self.bounded_title: _title(state.labels[BOUNDED]),
+                   self.ran_with: ran_with(sampling, state.cache)}
             yield from self._stream(values, state, streams, sampling, shown, dict.fromkeys(streams, ""))
 
     def on_continue(self, values: dict) -> Iterator[dict]:
@@ -228,7 +232,8 @@ class CompareTab:
             except ValueError as err:
                 raise Refusal(str(err)) from None
             shown = {side: state.shown(side) for side in state.sides}  # without the chips
-            yield {self.bounded_chat: shown[BOUNDED], self.full_chat: shown[FULL]}
+            yield {self.bounded_chat: shown[BOUNDED], self.full_chat: shown[FULL],
+                   self.ran_with: ran_with(sampling, state.cache)}
             # The chunks extend each reply's text up to a character its last token may
             # have left incomplete.
             so_far = {side: shown[side][-1]["content"].rstrip("\ufffd") for side in streams}
@@ -341,7 +346,7 @@ class CompareTab:
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return self._idle_bounded(cache) | {
-            self.state: None, self.bounded_chat: [], self.full_chat: [],
+            self.state: None, self.bounded_chat: [], self.full_chat: [], self.ran_with: NOTHING_YET,
             self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
             # An empty frame, not None: a plot set to None loses its chart element while
             # the chart library still measures it (hundreds of page errors).

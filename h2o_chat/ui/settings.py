@@ -18,6 +18,8 @@ from h2o_chat.engine.state import SettingDifference
 from .refusals import Refusal
 
 MODEL_DTYPE = "model's dtype"  # the bits choice that stores keys or values as the model computes them
+# Runs in the page as it loads: the settings panel, built open, folded (see Settings).
+FOLD_PANEL = """() => ({__type__: "update", open: false})"""
 
 
 class Settings:
@@ -27,7 +29,12 @@ class Settings:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         gen, cache = config.generation, config.cache
-        with gr.Accordion("Sampling and cache settings", open=False, elem_id="settings"):
+        # Built open and folded by the page itself as it loads (``fold_on_load``), so its
+        # controls are drawn with the page. Gradio 6.31 draws the controls of a panel that
+        # starts closed only when it first opens, and a frame later hands each the value
+        # it was built with: a value typed in between went back to the default without a
+        # word, and the next reply ran with it (a frame comes late on a loaded machine).
+        with gr.Accordion("Sampling and cache settings", open=True, elem_id="settings") as self.panel:
             with gr.Row():
                 self.temperature = gr.Slider(
                     0, max(2.0, gen.temperature), value=gen.temperature, step=0.05,
@@ -87,6 +94,11 @@ class Settings:
                     placeholder="empty: the slot counts above", elem_id="budget-mb",
                     info="memory per conversation: replaces heavy and recent with the slots "
                          "these megabytes hold at the bits above (pins counted)")
+
+    def fold_on_load(self, demo: gr.Blocks) -> None:
+        """Fold the panel as the page loads, in the page: no server round trip, so it is
+        folded before a user can reach it."""
+        demo.load(None, None, self.panel, js=FOLD_PANEL, queue=False, show_progress="hidden")
 
     @property
     def components(self) -> set[gr.components.Component]:

@@ -18,6 +18,7 @@ from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
 from .refusals import Refusal, refusing
+from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import ViewState, browser_state, close_state, generating, unchanged, wait_for_model
@@ -36,7 +37,7 @@ class StoryState(ViewState):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str,
                  limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
-        self.bible = bible
+        self.bible, self.cache = bible, cache
         self.session = StorySession(loaded.model, loaded.tokenizer,
                                     cache=new_cache(loaded.model, for_story(cache)),
                                     bible=bible_prefix(bible),
@@ -76,6 +77,7 @@ class StoryTab:
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
                     self.stop = stop_button("story")
                     self.new = gr.Button("New story", elem_id="story-new")
+                self.ran_with = ran_with_line("story")
             with gr.Column(scale=2):
                 self.gauge = gr.HTML(empty_gauge(GAUGE_LABEL, budget(config.cache)),
                                      css_template=GAUGE_CSS, elem_id="story-gauge")
@@ -90,7 +92,8 @@ class StoryTab:
         self._wire()
 
     def _wire(self) -> None:
-        outputs = [self.state, self.story, self.gauge, *self.map.outputs, *self.pins.outputs]
+        outputs = [self.state, self.story, self.ran_with, self.gauge, *self.map.outputs,
+                   *self.pins.outputs]
         self.swap = SendStopSwap(self.go, self.stop, self.state)
         self.swap.on([self.go.click])
         turn = self.go.click(
@@ -130,7 +133,7 @@ class StoryTab:
                                             stop=self.swap.stop_event(values), **sampling)
             except ValueError as err:
                 raise Refusal(str(err)) from None
-            yield {self.state: state}
+            yield {self.state: state, self.ran_with: ran_with(sampling, state.cache)}
             # The story box is the user's text: the wait shows as a toast only.
             yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
                 stream,
@@ -143,7 +146,7 @@ class StoryTab:
     def on_new(self, values: dict) -> dict:
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
-        return {self.state: None, self.story: "",
+        return {self.state: None, self.story: "", self.ran_with: NOTHING_YET,
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 

@@ -1,0 +1,101 @@
+"""What the user typed is what runs: settings typed into a fresh page are the ones every
+reply runs with (its small print says so), on a page that lags too; and a page loaded
+again says that what it held was reset.
+
+Run it beside the serving benchmark to check it on a loaded machine (docs/testing.md)."""
+
+from __future__ import annotations
+
+from playwright.sync_api import expect
+
+from .browser_support import (
+    after_next_frame, configure, open_app, open_tab, ran_with, send, show_settings, shown_settings, start_and_wait,
+    typed_settings,
+)
+
+# Each page its own settings, none of them the defaults (temperature 0.7, top-p 0.9,
+# 128 tokens, no seed), sampled: a reply at the defaults differs from one at these.
+PAGES = [
+    {"temperature": 1, "top_p": 0.8, "seed": 11, "max_new_tokens": 12},
+    {"temperature": 0, "top_p": 0.5, "seed": 3, "max_new_tokens": 9},
+    {"temperature": 1.3, "top_p": 0.95, "seed": 5, "max_new_tokens": 15},
+]
+TURNS = ["Name a fruit.", "And a vegetable?"]
+VIEWS = [("Chat", "chat", "#chat-input", "#chat-send"),
+         ("Compare", "compare", "#compare-input", "#compare-send")]
+
+# Held animation frames, as on a loaded machine where the page's frames come late: the
+# callbacks wait until ``releaseFrames()``. Playwright's own waits run in a world of
+# their own, which this does not touch.
+HOLD_FRAMES = """() => {
+  const held = [];
+  const run = window.requestAnimationFrame.bind(window);
+  let holding = true;
+  window.requestAnimationFrame = callback => holding ? (held.push(callback), 0) : run(callback);
+  window.releaseFrames = () => { holding = false; held.splice(0).forEach(callback => run(callback)); };
+}"""
+
+
+def assert_ran_with_typed(page, view: str, settings: dict[str, float]) -> None:
+    """The page still shows the typed settings, and the view's latest reply ran with them."""
+    typed = typed_settings(**settings)
+    assert shown_settings(page, *typed) == typed, "the page no longer shows the typed settings"
+    ran = ran_with(page, view)
+    assert {name: ran[name] for name in typed} == typed, f"the reply ran with {ran}"
+
+
+def test_every_reply_runs_with_the_settings_typed_into_a_fresh_page(browser, app_url):
+    for settings in PAGES:
+        page = open_app(browser, app_url)
+        try:
+            configure(page, **settings)
+            for tab, view, box, button in VIEWS:
+                open_tab(page, tab)
+                for text in TURNS:
+                    send(page, box, button, text)
+                    assert_ran_with_typed(page, view, settings)
+                    ran = ran_with(page, view)
+                    assert (ran["policy"], ran["budget"]) == ("h2o", "260 slots")
+        finally:
+            page.context.close()
+
+
+def test_settings_typed_while_the_page_lags_are_the_ones_the_reply_runs_with(browser, app_url):
+    """The settings panel's controls hold what was typed into them before the page's next
+    animation frame: Gradio used to hand a control drawn late its first value in that
+    frame, which undid the typing without a word."""
+    page = open_app(browser, app_url)
+    try:
+        page.evaluate(HOLD_FRAMES)
+        configure(page, **PAGES[0])
+        page.evaluate("() => window.releaseFrames()")
+        after_next_frame(page)  # Gradio's old hand-over, held until now, has run
+        send(page, "#chat-input", "#chat-send", TURNS[0])
+        assert_ran_with_typed(page, "chat", PAGES[0])
+    finally:
+        page.context.close()
+
+
+def test_story_continues_with_the_typed_settings_and_says_so(page):
+    configure(page, **PAGES[1])
+    open_tab(page, "Story")
+    page.fill("#story-text textarea", "The storm reached the island at dusk.")
+    start_and_wait(page, "#story-continue")
+    ran = ran_with(page, "story")
+    typed = typed_settings(**PAGES[1])
+    # The story's length per continue is its own slider's (64 unless moved).
+    assert {name: ran[name] for name in typed if name != "max-new-tokens"} == {
+        name: value for name, value in typed.items() if name != "max-new-tokens"}
+    assert ran["max-new-tokens"] == "64"
+
+
+def test_a_page_loaded_again_says_its_conversation_and_settings_were_reset(page):
+    expect(page.locator("#page-reset")).to_be_hidden()
+    configure(page, max_new_tokens=8)
+    send(page, "#chat-input", "#chat-send", TURNS[0])
+    page.reload()
+    expect(page.locator("#page-reset")).to_contain_text("reset to the defaults")
+    expect(page.locator("#chatbot [data-testid=bot]")).to_have_count(0)
+    show_settings(page)
+    assert shown_settings(page, "temperature", "max-new-tokens") == {
+        "temperature": "0.7", "max-new-tokens": "128"}
