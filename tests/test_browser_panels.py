@@ -129,7 +129,7 @@ def test_compare_at_equal_bytes_with_8_and_4_bit_slots(page):
     page.locator("#budget-mb textarea, #budget-mb input").press("Tab")
     # The idle side follows the settings: its title and its empty gauge name the bytes.
     expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget-bytes", "800000")
-    expect(page.get_by_text("h2o cache (0.8 MB, K8/V4)").first).to_be_visible()
+    expect(page.get_by_text("turns cache (0.8 MB, K8/V4)").first).to_be_visible()
     send(page, "#compare-input", "#compare-send", "Tell me about the rivers and bridges of Paris. " * 8)
     bounded, full = gauge(page, "compare-bounded-gauge"), gauge(page, "compare-full-gauge")
     assert (bounded["keyBits"], bounded["valueBits"], bounded["budgetBytes"]) == ("8", "4", "800000")

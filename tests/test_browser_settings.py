@@ -9,7 +9,7 @@ from __future__ import annotations
 from playwright.sync_api import expect
 
 from .browser_support import (
-    after_next_frame, configure, open_app, open_tab, ran_with, send, show_settings, shown_settings, start_and_wait,
+    after_next_frame, configure, gauge, open_app, open_tab, ran_with, send, show_settings, shown_settings, start_and_wait,
     typed_settings,
 )
 
@@ -55,7 +55,7 @@ def test_every_reply_runs_with_the_settings_typed_into_a_fresh_page(browser, app
                     send(page, box, button, text)
                     assert_ran_with_typed(page, view, settings)
                     ran = ran_with(page, view)
-                    assert (ran["policy"], ran["budget"]) == ("h2o", "260 slots")
+                    assert (ran["policy"], ran["budget"]) == ("turns", "260 slots")
         finally:
             page.context.close()
 
@@ -87,6 +87,9 @@ def test_story_continues_with_the_typed_settings_and_says_so(page):
     assert {name: ran[name] for name in typed if name != "max-new-tokens"} == {
         name: value for name, value in typed.items() if name != "max-new-tokens"}
     assert ran["max-new-tokens"] == "64"
+    # A story has no turns: the page's turns setting runs as h2o on the same slots.
+    assert (ran["policy"], ran["budget"]) == ("h2o", "260 slots")
+    assert gauge(page, "story-gauge")["budget"] == "260"
 
 
 def test_a_page_loaded_again_says_its_conversation_and_settings_were_reset(page):

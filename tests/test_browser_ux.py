@@ -184,7 +184,7 @@ def test_one_budget_that_follows_the_settings(page):
     open_tab(page, "Compare")
     configure(page, heavy=16, recent=16)
     # Before the first message the bounded side's title and gauge follow the settings.
-    expect(page.locator("#compare-bounded-title")).to_contain_text("h2o cache (36 slots)")
+    expect(page.locator("#compare-bounded-title")).to_contain_text("turns cache (36 slots)")
     expect(page.locator("#compare-bounded-gauge .gauge")).to_have_attribute("data-budget", "36")
     open_tab(page, "Story")
     expect(page.locator("#story-gauge .gauge")).to_have_attribute("data-budget", "36")

@@ -119,7 +119,7 @@ def test_bad_bits_and_budgets_are_refused_by_name():
     (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float"),
     (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list"),
     (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str"),
-    (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink"),
+    (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink, turns"),
     (dict(policy=7), "cache.policy = 7: expected str, got int"),
 ])
 def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
@@ -134,8 +134,12 @@ def test_a_number_of_bits_sent_as_a_number_is_those_bits():
     assert settings.cache(values(settings, key_bits=8, value_bits="4")).key_bits == 8
 
 
+# A page on h2o's slots: what differs from a saved h2o cache is its bytes and bits only.
+H2O_PAGE = AppConfig(cache=CacheConfig(policy="h2o", heavy=128, recent=128))
+
+
 def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
-    settings = panel(AppConfig())
+    settings = panel(H2O_PAGE)
     saved = cache_from_config(loaded.model, CacheConfig(policy="h2o", sink=4, key_bits=8, value_bits=4,
                                                         budget_mb=1.5))
     ours = cache_from_config(loaded.model, settings.cache(values(settings)))
@@ -155,7 +159,7 @@ def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
 
 def test_a_saved_budget_of_any_whole_number_of_bytes_is_taken_exactly(loaded):
     """The file's bytes go through the page's megabytes and back without moving a byte."""
-    settings = panel(AppConfig())
+    settings = panel(H2O_PAGE)
     ours = cache_from_config(loaded.model, settings.cache(values(settings)))
     for budget in (1_000_001, 1_234_567, 9_999_999):
         saved = make_cache(loaded.model, "h2o", sink=4, key_bits=8, value_bits=4, budget_bytes=budget)

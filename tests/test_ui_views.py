@@ -11,7 +11,7 @@ from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.story_tab import StoryState, bible_prefix
 from h2o_chat.ui.view_state import server_load
 
-SMALL = CacheConfig(heavy=8, recent=8, sink=4)
+SMALL = CacheConfig(policy="h2o", heavy=8, recent=8, sink=4)
 
 
 @pytest.fixture(scope="module")

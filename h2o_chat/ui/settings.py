@@ -63,7 +63,8 @@ class Settings:
                     list(POLICIES), value=cache.policy, label="cache policy", elem_id="policy",
                     allow_custom_value=True,
                     info="which tokens the model keeps in memory once the budget is full "
-                         "(h2o: sink + recent + heavy; full: keeps all)")
+                         "(h2o: sink + recent + heavy; turns: h2o scored turn by turn, "
+                         "for chats; full: keeps all)")
                 # A slot holds one token's keys and values, in every layer and KV head.
                 self.heavy = gr.Number(
                     cache.heavy, precision=0, label="heavy slots", elem_id="heavy",

@@ -37,9 +37,9 @@ class StoryState(ViewState):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, bible: str,
                  limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
-        self.bible, self.cache = bible, cache
+        self.bible, self.cache = bible, for_story(cache)  # what the story runs with
         self.session = StorySession(loaded.model, loaded.tokenizer,
-                                    cache=new_cache(loaded.model, for_story(cache)),
+                                    cache=new_cache(loaded.model, self.cache),
                                     bible=bible_prefix(bible),
                                     prefill_chunk_size=cache.prefill_chunk_size,
                                     limits=limits)
