@@ -176,7 +176,7 @@ def _small_print(html_text: str) -> dict[str, str]:
 
 def test_a_replys_small_print_names_the_settings_it_ran_with():
     sampled = {"temperature": 1.0, "top_p": 0.8, "seed": 11, "max_new_tokens": 12}
-    shown = ran_with(sampled, CacheConfig(heavy=16, recent=8, sink=4))
+    shown = ran_with(sampled, CacheConfig(policy="h2o", heavy=16, recent=8, sink=4))
     assert _small_print(shown) == {"temperature": "1", "top-p": "0.8", "seed": "11",
                                    "max-new-tokens": "12", "policy": "h2o", "budget": "28 slots"}
     assert "Ran with temperature 1 · top-p 0.8 · seed 11 · up to 12 new tokens · h2o cache, 28 slots" in shown
