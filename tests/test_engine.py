@@ -429,3 +429,18 @@ def test_turns_keep_scores_to_their_turn_as_the_reference_rule(tiny_model, norm)
                                      score_norm=norm)[2]
     assert [layer.positions.tolist() for layer in plain.stats().layers] != \
         [layer.positions.tolist() for layer in cache.stats().layers]  # turns change the choice
+
+
+def test_a_turns_cache_without_turns_is_h2o(tiny_model):
+    """Nothing marks turns in a story: a turns cache then keeps and scores what h2o does."""
+    torch.manual_seed(5)
+    prompt = torch.randint(0, 128, (1, 60))
+    caches = {policy: make_cache(tiny_model, policy, heavy=8, recent=6, sink=2) for policy in ("h2o", "turns")}
+    logits = {policy: [feed(tiny_model, cache, prompt, 16)] for policy, cache in caches.items()}
+    for _ in range(30):
+        token = logits["h2o"][-1][:, -1:].argmax(-1)
+        for policy, cache in caches.items():
+            logits[policy].append(feed(tiny_model, cache, token, 1))
+    assert torch.equal(torch.cat(logits["h2o"], 1), torch.cat(logits["turns"], 1))
+    kept = {policy: [layer.positions.tolist() for layer in cache.stats().layers] for policy, cache in caches.items()}
+    assert kept["turns"] == kept["h2o"]
