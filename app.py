@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(app, config.server)
     except KeyboardInterrupt:  # Ctrl-C, once the server has shut down: an ordinary end
-        print("h2o-chat: stopped.", flush=True)
+        pass
+    # Whether uvicorn re-raised the Ctrl-C or returned after its own shutdown.
+    print("h2o-chat: stopped.", flush=True)
 
 
 if __name__ == "__main__":

@@ -166,12 +166,12 @@ def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app
     upload(second, "#chat-resume-session", tmp_path / "k8v4.h2o-session.zip")
     status = second.locator("#chat-files-status")
     expect(status).to_contain_text(
-        "cache.budget_bytes = 1000000 in the file, not used on the page; cache.heavy = 42 in the file, 16 on "
-        "the page; cache.key_bits = 8 in the file, not used on the page; cache.recent = 42 in the file, 16 on "
+        "cache.budget_bytes = 1000000 in the file, not used on the page; cache.heavy = 79 in the file, 16 on "
+        "the page; cache.key_bits = 8 in the file, not used on the page; cache.recent = 5 in the file, 16 on "
         "the page; cache.value_bits = 4 in the file, not used on the page", timeout=60_000)
     second.locator("#chat-adopt-settings").click()
-    expect(status).to_contain_text("Resumed with the file's cache settings (budget_mb 1, heavy 42, key_bits 8, "
-                                   "recent 42, value_bits 4)", timeout=60_000)
+    expect(status).to_contain_text("Resumed with the file's cache settings (budget_mb 1, heavy 79, key_bits 8, "
+                                   "recent 5, value_bits 4)", timeout=60_000)
     expect(second.locator("#budget-mb textarea")).to_have_value("1")
     expect(second.locator("#key-bits input")).to_have_value("8")
     expect(second.locator("#value-bits input")).to_have_value("4")

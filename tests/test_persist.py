@@ -458,11 +458,11 @@ def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):
         settings.check_adoptable([SettingDifference("score_norm", "mean", "sum")])
 
 
-# A page of K8/V4 and 1 MB (88 tokens of the embedded model: sink 4, heavy and recent 42).
+# A page of K8/V4 and 1 MB (88 tokens of the embedded model; turns: sink 4, heavy 79, recent 5).
 BYTE_BUDGET_PAGE = dict(budget_mb="1", key_bits="8", value_bits="4")
 BYTE_BUDGET_DIFFERENCES = ("cache.budget_bytes = 1000000 in the file, not used on the page; "
-                           "cache.heavy = 42 in the file, 16 on the page; cache.key_bits = 8 in the file, not used "
-                           "on the page; cache.recent = 42 in the file, 16 on the page; cache.value_bits = 4 in the "
+                           "cache.heavy = 79 in the file, 16 on the page; cache.key_bits = 8 in the file, not used "
+                           "on the page; cache.recent = 5 in the file, 16 on the page; cache.value_bits = 4 in the "
                            "file, not used on the page")
 
 
@@ -494,8 +494,8 @@ def test_a_file_saved_with_a_byte_budget_resumes_with_its_settings_and_identical
     assert refused[files.adopt]["visible"] is True
 
     adopted = files.on_adopt(page | {files.mismatched: refused[files.mismatched]})
-    assert adopted[files.status].startswith("Resumed with the file's cache settings (budget_mb 1, heavy 42, "
-                                            "key_bits 8, recent 42, value_bits 4): ")
+    assert adopted[files.status].startswith("Resumed with the file's cache settings (budget_mb 1, heavy 79, "
+                                            "key_bits 8, recent 5, value_bits 4): ")
     assert {settings.budget_mb: "1", settings.key_bits: "8", settings.value_bits: "4"}.items() <= adopted.items()
     assert_continues_identically(smollm[0], original, adopted[chat.state].session)
 

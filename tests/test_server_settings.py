@@ -25,8 +25,8 @@ TOO_MANY_MEGABYTES = (
     "max_position_embeddings), i.e. from 0.2367 MB to 387.857 MB; change them in the config file or on the "
     "command line and restart the app")
 TOO_MANY_SLOTS = (
-    "the server's cache settings do not fit the model: cache.heavy + cache.recent + cache.sink = 100000 + 128 + 4 "
-    "= 100132 slots: must be at most the model's context of 8,192 tokens (max_position_embeddings); change them in "
+    "the server's cache settings do not fit the model: cache.heavy + cache.recent + cache.sink = 100000 + 16 + 4 "
+    "= 100020 slots: must be at most the model's context of 8,192 tokens (max_position_embeddings); change them in "
     "the config file or on the command line and restart the app")
 USER = [{"role": "user", "content": "Hi"}]
 
