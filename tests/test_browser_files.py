@@ -102,6 +102,23 @@ def test_a_resumed_session_lists_its_pins(browser, app_url, tmp_path):
     second.context.close()
 
 
+def next_replies_are_the_same(first: Page, second: Page, text: str) -> None:
+    """``text`` sent on the saved page and on the page that resumed its file: both replies
+    run greedy with 16 new tokens and are the same. Each alone on the model: a reply
+    batched with another (a page of an earlier test still stopping) rounds differently
+    and may pick other greedy tokens. Closes both pages."""
+    for page in (first, second):
+        expect(page.locator("#server-load")).to_contain_text("· 0 generating")
+        send(page, "#chat-input", "#chat-send", text)
+    replies = messages(second, "chatbot", "bot")
+    for page in (first, second):
+        ran = ran_with(page, "chat")
+        assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "16"), f"the reply ran with {ran}"
+    assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
+    first.context.close()
+    second.context.close()
+
+
 def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(browser, app_url, tmp_path):
     first = open_app(browser, app_url)
     configure(first, max_new_tokens=16)
@@ -130,18 +147,7 @@ def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(bro
     assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
 
     # The next reply works, and equals the saved session's own: the cache is the file's.
-    # Each alone on the model: a reply batched with another (a page of an earlier test
-    # still stopping) rounds differently and may pick other greedy tokens.
-    for page in (first, second):
-        expect(page.locator("#server-load")).to_contain_text("· 0 generating")
-        send(page, "#chat-input", "#chat-send", "And three colours?")
-    replies = messages(second, "chatbot", "bot")
-    for page in (first, second):
-        ran = ran_with(page, "chat")
-        assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "16"), f"the reply ran with {ran}"
-    assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
-    first.context.close()
-    second.context.close()
+    next_replies_are_the_same(first, second, "And three colours?")
 
 
 def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app_url, tmp_path):
@@ -180,14 +186,4 @@ def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app
         k: saved[k] for k in ("budgetBytes", "keyBits", "valueBits", "seen", "held")}
     assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
 
-    # Each alone on the model, as in the test above.
-    for page in (first, second):
-        expect(page.locator("#server-load")).to_contain_text("· 0 generating")
-        send(page, "#chat-input", "#chat-send", "And its lighthouses?")
-    replies = messages(second, "chatbot", "bot")
-    for page in (first, second):
-        ran = ran_with(page, "chat")
-        assert (ran["temperature"], ran["max-new-tokens"]) == ("0", "16"), f"the reply ran with {ran}"
-    assert len(replies) == 2 and replies[-1] == messages(first, "chatbot", "bot")[-1]
-    first.context.close()
-    second.context.close()
+    next_replies_are_the_same(first, second, "And its lighthouses?")

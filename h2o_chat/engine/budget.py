@@ -59,8 +59,8 @@ def split_slots(policy: str, slots: int, sink: int) -> dict[str, int]:
     recent equal halves (the paper's split), turns a sixteenth to the recent window and
     the rest to heavy hitters, sink and recent keep only a window."""
     if policy in ("h2o", "turns"):
-        recent = (slots - sink) // (2 if policy == "h2o" else TURNS_RECENT_SHARE)
-        return {"sink": sink, "recent": max(1, recent), "heavy": slots - sink - max(1, recent)}
+        recent = max(1, (slots - sink) // (2 if policy == "h2o" else TURNS_RECENT_SHARE))
+        return {"sink": sink, "recent": recent, "heavy": slots - sink - recent}
     if policy == "sink":
         return {"sink": sink, "recent": slots - sink}
     return {"recent": slots}

@@ -16,8 +16,8 @@ from .memory import return_freed_memory
 from .policies import EvictionPolicy
 from .quant import KVStorage
 from .rope import RopeShifter
-from .slots import SlotGroup
 from .selection import RANK_MEAN
+from .slots import SlotGroup
 from .spans import ProtectedSpans
 from .state import CacheStateMixin
 from .stats import CacheStats, LayerStats
@@ -306,7 +306,7 @@ class H2OCache(CacheStateMixin, Cache):
             key_bits=self._bits(self.storage.key_bits, "keys"),
             value_bits=self._bits(self.storage.value_bits, "values"),
             budget_bytes=None if self.byte_budget is None else self.byte_budget.bytes,
-            turn_starts=list(self.turns.starts) if self.policy.marks_turns else [],
+            turn_starts=list(self.turns.starts),  # marked only where the policy keeps turns
         )
 
     def _bits(self, bits: int | None, name: str) -> int | None:
