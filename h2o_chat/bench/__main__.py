@@ -4,7 +4,7 @@ Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), spe
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), step (the decode step's cost as
 conversations are added), bytes (8: quality at equal memory, storage precision and
-eviction), or all; peer (llama.cpp on the same GGUF file, one
+eviction), storage (8b: designs for 4-bit slots, quantization alone), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
 ``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
@@ -29,7 +29,8 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step, streaming, xsum
+from . import (data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step, storage_designs,
+               streaming, xsum)
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
@@ -101,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-rounds", type=int, default=5, help="step: timed rounds alternating the row counts")
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
+    p.add_argument("--design-len", type=int, default=1536,
+                   help="storage: tokens each passage streams (default 1536, as comparison 8)")
     p.add_argument("--byte-contexts", help="bytes: comma list of contexts whose decode speed is timed ('': none)")
     p.add_argument("--peer-context", type=int, default=512,
                    help="peer: tokens of context before the timed decode (default 512)")
@@ -279,6 +282,10 @@ TABLE: dict[str, Comparison] = {
                                   [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
                                   b.args.repeats, b.args.articles, log=log),
         equal_bytes.plot, equal_bytes.markdown),
+    "storage": _one_page(
+        "storage_designs", "8b. Designs for 4-bit slots: quantization alone, before one is built",
+        lambda b: storage_designs.run(b.model, b.tokenizer, b.args.passages, b.args.design_len, log=log),
+        storage_designs.plot, storage_designs.markdown),
     "peer": _one_page(
         "peer", "Peer: llama.cpp on the same GGUF file, one conversation",
         lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,

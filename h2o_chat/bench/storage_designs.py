@@ -1,0 +1,206 @@
+"""Comparison 8b: designs for 4-bit slots, measured before one is built.
+
+Comparison 8 found 4-bit keys stored per token lose 5.7% on their own (the full cache at
+K4/V4), so at a byte budget K8/V4 beats them although K4/V4 holds a third more tokens.
+This study measures what each known way out buys, on the full cache (quantization
+alone, no eviction) and the passages of comparison 8, before the engine takes one on.
+
+Each design is simulated exactly: a transformers cache keeps every key and value as the
+model gave it and replaces each one, at the moment the design would store it, by what
+the design reads back (the engine's own codec rounds it: ``GroupQuantCodec``), so
+attention sees exactly the values the design would give it. The first row is today's
+storage; a test checks that its logits equal the engine's own K4/V4 cache.
+
+Designs (keys; values stay 4-bit per token, groups of 32):
+- per token: groups of ``key_group`` neighbouring channels of one token (today's, 32);
+- rotated: the same after a Hadamard rotation of the head dimension, which spreads the
+  few outlier channels over all of them (QuaRot's remedy);
+- per channel: one scale and minimum per channel over a block of 32 tokens, rounded once
+  the block is complete (KIVI's keys); the newest block stays exact until then;
+- a window: the newest ``window`` tokens' keys and values kept exact (KIVI's residual),
+  rounded when they leave it.
+
+Bytes: what a slot's key and value take (codes and scales), and what the exact window
+and the per-channel design's open block take on top, per layer and KV head; "slots at 5%"
+is what 5% of the plain full cache's bytes for the passage buys after those, with the
+engine's 14 bytes of bookkeeping a slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from h2o_chat.engine.budget import cache_geometry
+from h2o_chat.engine.quant import GroupQuantCodec
+from h2o_chat.engine.slots import SLOT_METADATA
+
+from . import data
+from .metrics import token_metrics
+from .report import md_table, pyplot
+from .streaming import passage_records, reference_logprobs, stream_pass
+
+BLOCK = 32  # tokens per block of the per-channel design
+VALUE_BITS = 4
+STUDY_SHARE = 0.05  # the share of bytes whose slots the table gives
+PASSAGE_TOKENS = 1536 + 200  # comparison 8's passages: streamed, then 200 tokens continued
+
+
+@dataclass(frozen=True)
+class Design:
+    """How a design stores keys (values: 4-bit per token) and how many newest tokens it
+    keeps as given."""
+
+    label: str
+    keys: str = "token"  # "token", "rotated" or "channel"
+    key_bits: int = 4
+    key_group: int = 32
+    window: int = 1  # newest tokens kept exact: 1 is the pass's own token, as the engine does
+
+    def slot_bytes(self, head_dim: int) -> int:
+        """A slot's key and value: codes, scales and minimums (float16)."""
+        # Per channel, a block's scales are shared by its 32 tokens: per token, as many bytes
+        # as groups of 32 channels take.
+        group = BLOCK if self.keys == "channel" else self.key_group
+        value = head_dim * VALUE_BITS // 8 + 2 * 2 * head_dim // 32
+        return head_dim * self.key_bits // 8 + 2 * 2 * head_dim // group + value
+
+    def exact_tokens(self) -> int:
+        """Tokens held exact besides the slots, at most: the window or the open block, but
+        the pass's own token (attended as given, never stored so)."""
+        return (BLOCK if self.keys == "channel" else self.window) - 1
+
+
+DESIGNS = (
+    Design("K8/V4 per token (today's K8/V4)", key_bits=8),
+    Design("K4/V4 per token (today's K4/V4)"),
+    Design("K4 rotated", keys="rotated"),
+    Design("K4 groups of 16", key_group=16),
+    Design("K4/V4, newest 8 exact", window=8),
+    Design("K4/V4, newest 16 exact", window=16),
+    Design("K4/V4, newest 32 exact", window=32),
+    Design("K4 per channel, blocks of 32", keys="channel"),
+)
+
+
+def hadamard(dim: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of size ``dim`` (a power of two), symmetric: it is
+    its own inverse."""
+    if dim & (dim - 1):
+        raise ValueError(f"a rotated design needs a power-of-two head dimension, not {dim}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(dim)
+
+
+def round_trip(codec: GroupQuantCodec, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``codec`` stores and reads it back."""
+    return codec.decode(*codec.encode(x), x.dtype)
+
+
+class DesignLayer(DynamicLayer):
+    """A layer that holds every token as given and then as ``design`` would read it."""
+
+    def __init__(self, design: Design) -> None:
+        super().__init__()
+        self.design = design
+        self.rounded = 0  # tokens 0 .. rounded - 1 hold their rounded values
+        self.key_codec = GroupQuantCodec(design.key_bits, BLOCK if design.keys == "channel" else design.key_group)
+        self.value_codec = GroupQuantCodec(VALUE_BITS)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        design, seen = self.design, keys.shape[-2]
+        # The pass's own tokens are attended as given (as in the engine); older ones as stored.
+        upto = max(self.rounded, seen - max(design.window, key_states.shape[-2]))
+        if design.keys == "channel":
+            upto = self.rounded + (upto - self.rounded) // BLOCK * BLOCK  # whole blocks only
+        if upto > self.rounded:
+            span = slice(self.rounded, upto)
+            keys[..., span, :] = self._round_keys(keys[..., span, :])
+            values[..., span, :] = round_trip(self.value_codec, values[..., span, :])
+            self.rounded = upto
+        return keys, values
+
+    def _round_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        if self.design.keys == "channel":  # channels become the groups, over each block's tokens
+            blocks = keys.unflatten(-2, (-1, BLOCK)).transpose(-1, -2)
+            return round_trip(self.key_codec, blocks).transpose(-1, -2).flatten(-3, -2)
+        if self.design.keys == "rotated":
+            rotation = hadamard(keys.shape[-1], keys.device).to(keys.dtype)
+            return round_trip(self.key_codec, keys @ rotation) @ rotation
+        return round_trip(self.key_codec, keys)
+
+
+def design_cache(model: torch.nn.Module, design: Design) -> Cache:
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[DesignLayer(design) for _ in range(layers)])
+
+
+def slots_at(model: torch.nn.Module, design: Design, share: float, tokens: int) -> int:
+    """Slots ``share`` of the plain full cache's bytes for ``tokens`` tokens buys, after
+    the design's exact tokens (at the model's dtype), per layer and KV head."""
+    head_dim = cache_geometry(model)[1]
+    itemsize = model.dtype.itemsize
+    plain = tokens * 2 * head_dim * 4
+    exact = design.exact_tokens() * 2 * head_dim * itemsize
+    metadata = sum(dtype.itemsize for dtype in SLOT_METADATA.values())
+    return max(0, int(share * plain) - exact) // (design.slot_bytes(head_dim) + metadata)
+
+
+def run(model, tokenizer, passages_per_source: int, stream_len: int = 1536, prefill: int = 16,
+        designs: tuple[Design, ...] = DESIGNS, log=print) -> dict:
+    passages = data.passages(tokenizer, passages_per_source, PASSAGE_TOKENS)
+    if not 16 < stream_len <= PASSAGE_TOKENS:
+        raise ValueError(f"--design-len {stream_len}: must be from 17 to {PASSAGE_TOKENS}")
+    ids = torch.tensor([p.ids[:stream_len] for p in passages])
+    log(f"  reference: full cache over {ids.shape[0]} passages x {stream_len} tokens")
+    ref = reference_logprobs(model, ids)
+    records = []
+    for design in designs:
+        nll, agree, kl = stream_pass(model, design_cache(model, design), ids, ref, prefill)
+        found = passage_records(design.label, "design", "full", None, passages, nll, agree, kl, "streaming")
+        head_dim = cache_geometry(model)[1]
+        for r in found:
+            r |= {"slot_bytes": design.slot_bytes(head_dim), "exact_tokens": design.exact_tokens(),
+                  "slots_at_share": slots_at(model, design, STUDY_SHARE, stream_len)}
+        records += found
+        log(f"  {design.label}: ppl {found[-1]['ppl']:.3f}")
+    full = passage_records("full", "full", "full", None, passages,
+                           *token_metrics(ref[:, :-1], ids[:, 1:], ref[:, :-1]), "streaming")
+    return {"records": full + records, "config": {"passages": [{"source": p.source, "title": p.title}
+                                                                for p in passages],
+                                                   "stream_len": stream_len, "share": STUDY_SHARE}}
+
+
+def markdown(result: dict) -> str:
+    pooled = {(r["policy"], r["set"]): r for r in result["records"] if not r["per_passage"]}
+    labels = list(dict.fromkeys(label for label, _ in pooled))
+    rows = []
+    for label in labels[1:]:
+        r = pooled[(label, "all")]
+        rows.append([label, r["slot_bytes"], r["exact_tokens"], r["slots_at_share"]]
+                    + [f"{pooled[(label, s)]['ppl'] / pooled[('full', s)]['ppl']:.4f}×"
+                       for s in ("wikitext2", "book", "all")]
+                    + [f"{r['top1']:.1%}", f"{r['kl']:.4f}"])
+    share = f"{result['config']['share']:.0%}"
+    return md_table(["design", "bytes a slot (K+V)", "exact tokens besides", f"slots at {share}",
+                     "ppl vs full: wikitext2", "book", "all", "top-1 agree", "KL(full‖design)"], rows)
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    pooled = {r["policy"]: r for r in result["records"] if r["set"] == "all"}
+    full = pooled.pop("full")["ppl"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(list(pooled), [r["ppl"] / full for r in pooled.values()])
+    ax.axvline(1, color="black", lw=0.8)
+    ax.set(xlabel="perplexity / full cache (quantization alone)", xlim=(0.99, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
