@@ -28,6 +28,7 @@ engine's 14 bytes of bookkeeping a slot.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,13 +36,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from h2o_chat.engine.budget import cache_geometry
-from h2o_chat.engine.quant import GroupQuantCodec
+from h2o_chat.engine.quant import GroupQuantCodec, KVStorage
 from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
-from .metrics import token_metrics
+from .equal_bytes import plain_token_bytes
 from .report import md_table, pyplot
-from .streaming import passage_records, reference_logprobs, stream_pass
+from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
 BLOCK = 32  # tokens per block of the per-channel design
 VALUE_BITS = 4
@@ -60,13 +61,19 @@ class Design:
     key_group: int = 32
     window: int = 1  # newest tokens kept exact: 1 is the pass's own token, as the engine does
 
+    def codecs(self) -> tuple[GroupQuantCodec, GroupQuantCodec]:
+        """The engine's codecs that round its keys and its values. Per channel, the key
+        codec's groups are a block's tokens (one channel of ``BLOCK`` tokens)."""
+        return (GroupQuantCodec(self.key_bits, BLOCK if self.keys == "channel" else self.key_group),
+                GroupQuantCodec(VALUE_BITS))
+
     def slot_bytes(self, head_dim: int) -> int:
-        """A slot's key and value: codes, scales and minimums (float16)."""
-        # Per channel, a block's scales are shared by its 32 tokens: per token, as many bytes
-        # as groups of 32 channels take.
-        group = BLOCK if self.keys == "channel" else self.key_group
-        value = head_dim * VALUE_BITS // 8 + 2 * 2 * head_dim // 32
-        return head_dim * self.key_bits // 8 + 2 * 2 * head_dim // group + value
+        """A slot's key and value: codes, scales and minimums, as the codecs lay them out.
+        Per channel, a block's scales are shared by its ``BLOCK`` tokens: per token as many
+        bytes as groups of ``BLOCK`` channels take, which is the layout counted."""
+        keys, values = self.codecs()
+        return sum(dtype.itemsize * last for codec, name in ((keys, "keys"), (values, "values"))
+                   for dtype, last in codec.layout(name, head_dim, torch.float32).values())
 
     def exact_tokens(self) -> int:
         """Tokens held exact besides the slots, at most: the window or the open block, but
@@ -86,9 +93,10 @@ DESIGNS = (
 )
 
 
+@functools.cache
 def hadamard(dim: int, device: torch.device) -> torch.Tensor:
     """The orthonormal Hadamard matrix of size ``dim`` (a power of two), symmetric: it is
-    its own inverse."""
+    its own inverse. Made once per size and device (every layer rounds at every token)."""
     if dim & (dim - 1):
         raise ValueError(f"a rotated design needs a power-of-two head dimension, not {dim}")
     h = torch.ones(1, 1, device=device)
@@ -109,8 +117,7 @@ class DesignLayer(DynamicLayer):
         super().__init__()
         self.design = design
         self.rounded = 0  # tokens 0 .. rounded - 1 hold their rounded values
-        self.key_codec = GroupQuantCodec(design.key_bits, BLOCK if design.keys == "channel" else design.key_group)
-        self.value_codec = GroupQuantCodec(VALUE_BITS)
+        self.key_codec, self.value_codec = design.codecs()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,36 +151,33 @@ def design_cache(model: torch.nn.Module, design: Design) -> Cache:
 
 def slots_at(model: torch.nn.Module, design: Design, share: float, tokens: int) -> int:
     """Slots ``share`` of the plain full cache's bytes for ``tokens`` tokens buys, after
-    the design's exact tokens (at the model's dtype), per layer and KV head."""
-    head_dim = cache_geometry(model)[1]
-    itemsize = model.dtype.itemsize
-    plain = tokens * 2 * head_dim * 4
-    exact = design.exact_tokens() * 2 * head_dim * itemsize
+    the design's exact tokens (keys and values at the model's dtype), per layer and KV head."""
+    slots_a_token, head_dim = cache_geometry(model)
+    share_bytes = int(share * tokens * plain_token_bytes(model)) // slots_a_token
+    exact = design.exact_tokens() * KVStorage().slot_bytes(head_dim, model.dtype)
     metadata = sum(dtype.itemsize for dtype in SLOT_METADATA.values())
-    return max(0, int(share * plain) - exact) // (design.slot_bytes(head_dim) + metadata)
+    return max(0, share_bytes - exact) // (design.slot_bytes(head_dim) + metadata)
 
 
 def run(model, tokenizer, passages_per_source: int, stream_len: int = 1536, prefill: int = 16,
         designs: tuple[Design, ...] = DESIGNS, log=print) -> dict:
+    if not prefill < stream_len <= PASSAGE_TOKENS:
+        raise ValueError(f"--design-len {stream_len}: must be from {prefill + 1} to {PASSAGE_TOKENS}")
     passages = data.passages(tokenizer, passages_per_source, PASSAGE_TOKENS)
-    if not 16 < stream_len <= PASSAGE_TOKENS:
-        raise ValueError(f"--design-len {stream_len}: must be from 17 to {PASSAGE_TOKENS}")
     ids = torch.tensor([p.ids[:stream_len] for p in passages])
     log(f"  reference: full cache over {ids.shape[0]} passages x {stream_len} tokens")
     ref = reference_logprobs(model, ids)
-    records = []
+    records = full_records(ids, ref, passages, phase="streaming", stream_len=stream_len)
+    head_dim = cache_geometry(model)[1]
     for design in designs:
         nll, agree, kl = stream_pass(model, design_cache(model, design), ids, ref, prefill)
         found = passage_records(design.label, "design", "full", None, passages, nll, agree, kl, "streaming")
-        head_dim = cache_geometry(model)[1]
         for r in found:
             r |= {"slot_bytes": design.slot_bytes(head_dim), "exact_tokens": design.exact_tokens(),
                   "slots_at_share": slots_at(model, design, STUDY_SHARE, stream_len)}
         records += found
         log(f"  {design.label}: ppl {found[-1]['ppl']:.3f}")
-    full = passage_records("full", "full", "full", None, passages,
-                           *token_metrics(ref[:, :-1], ids[:, 1:], ref[:, :-1]), "streaming")
-    return {"records": full + records, "config": {"passages": [{"source": p.source, "title": p.title}
+    return {"records": records, "config": {"passages": [{"source": p.source, "title": p.title}
                                                                 for p in passages],
                                                    "stream_len": stream_len, "share": STUDY_SHARE}}
 
