@@ -23,6 +23,8 @@ import yaml
 POLICIES = ("full", "h2o", "recent", "sink", "turns")
 # Storage precisions of cached keys and values, in bits (cache.key_bits, cache.value_bits).
 STORAGE_BITS = (32, 16, 8, 4)
+# Most newest tokens a quantizing cache keeps exact beside their slots (cache.exact_window).
+MAX_EXACT_WINDOW = 1024
 # A cache budget is given in megabytes (cache.budget_mb: the config file, the command line,
 # the page) or in bytes (cache.budget_bytes: the Python API, a session file); both readings
 # share one range.
@@ -62,6 +64,10 @@ class CacheConfig:
     # the model's dtype. 8 and 4 bits are quantized per token in groups of channels.
     key_bits: int | None = None
     value_bits: int | None = None
+    # Keys and values of this many newest tokens also kept as the model gave them, where
+    # the bits above lose precision (0 = none): 4-bit keys then lose about what 8-bit keys
+    # do (docs/benchmarks.md, 8b). A byte budget counts them.
+    exact_window: int = 0
     # A budget in megabytes per conversation instead of slot counts: the slots follow
     # from the bytes a slot takes (at the precision above, over all layers and KV heads),
     # pinned tokens counted; h2o splits them equally between heavy and recent, turns
@@ -195,6 +201,7 @@ _RULES: dict[str, _Rule] = {
     "cache.score_norm": _choice("sum", "mean"),
     "cache.key_bits": _choice(*STORAGE_BITS),
     "cache.value_bits": _choice(*STORAGE_BITS),
+    "cache.exact_window": _int_between(0, MAX_EXACT_WINDOW),
     "cache.budget_mb": _Rule(lambda v: 0 < v <= MAX_BUDGET_MB,
                              f"must be a number of megabytes > 0 and <= {MAX_BUDGET_MB}"),
     "cache.prefill_chunk_size": _int_at_least(1),

@@ -110,19 +110,21 @@ class StoredAsCache(DynamicCache):
     """A stock cache keeping every key and value as ``storage`` would read them back: each
     token's are written and read through the storage's codecs on arrival (a slot's
     storage depends on that slot alone, so this is what the engine holds for it). The
-    pass that brings tokens attends them as the model gave them; later passes read them
-    stored."""
+    pass that brings tokens attends them as the model gave them, and so do the newest
+    ``storage.exact_window`` tokens after it; older ones are read stored."""
 
     def __init__(self, config, storage: KVStorage = KVStorage()) -> None:
         super().__init__(config=config)
         self.storage = storage
+        self.given = DynamicCache(config=config)  # every key and value as the model gave it
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = super().update(self._stored(self.storage.keys, key_states),
                                       self._stored(self.storage.values, value_states), layer_idx, *args, **kwargs)
-        new = key_states.shape[2]
-        return (torch.cat([keys[:, :, :-new], key_states], dim=2),
-                torch.cat([values[:, :, :-new], value_states], dim=2))
+        given_keys, given_values = self.given.update(key_states, value_states, layer_idx)
+        exact = max(key_states.shape[2], self.storage.exact_window)
+        return (torch.cat([keys[:, :, :-exact], given_keys[:, :, -exact:]], dim=2),
+                torch.cat([values[:, :, :-exact], given_values[:, :, -exact:]], dim=2))
 
     @staticmethod
     def _stored(codec, x):

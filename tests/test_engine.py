@@ -12,12 +12,13 @@ from .reference import REFERENCE_NAME, ReferenceRule, StoredAsCache, use_rule
 
 
 def run_engine_and_reference(model, prompt, steps, chunk, heavy, recent, sink, protected=None,
-                             score_norm="sum", key_bits=None, value_bits=None):
+                             score_norm="sum", key_bits=None, value_bits=None, exact_window=0):
     """Prefill ``prompt`` in chunks, then decode greedily for ``steps`` tokens with the
     engine, feeding the reference the same tokens. Returns both logits and the caches.
-    With storage bits, the reference keeps what the engine's storage reads back."""
+    With storage bits, the reference keeps what the engine's storage reads back (the
+    newest ``exact_window`` tokens as given)."""
     cache = make_cache(model, "h2o", heavy=heavy, recent=recent, sink=sink, score_norm=score_norm,
-                       key_bits=key_bits, value_bits=value_bits)
+                       key_bits=key_bits, value_bits=value_bits, exact_window=exact_window)
     if protected:
         cache.protect(*protected)
     rule = ReferenceRule(heavy, recent, sink, protected, norm=score_norm)

@@ -4,7 +4,8 @@ splits them.
 One slot is one token of one layer and KV head: its key and value at the storage's
 precision (scales included) and its bookkeeping (score, position, flags). A token held
 in every layer and KV head costs ``slot_bytes`` of them all; a budget of ``bytes`` holds
-``bytes // slot_bytes`` tokens, pinned ones included.
+``bytes // slot_bytes`` tokens, pinned ones included, after the exact window's rings
+(``window.py``), whose bytes do not depend on the tokens held.
 """
 
 from __future__ import annotations
@@ -32,19 +33,31 @@ def token_bytes(model: torch.nn.Module, storage: KVStorage, rolling: bool) -> in
     return slots * (storage.slot_bytes(head_dim, model.dtype) + sum(dtype.itemsize for dtype in metadata.values()))
 
 
+def window_bytes(model: torch.nn.Module, storage: KVStorage) -> int:
+    """Bytes the exact window's rings take in every layer and KV head of ``model``'s cache."""
+    slots, head_dim = cache_geometry(model)
+    return slots * storage.window_bytes(head_dim, model.dtype)
+
+
 @dataclass(frozen=True)
 class ByteBudget:
-    """``bytes`` per conversation at ``token_bytes`` a token; ``settings`` is the policy's
-    description before any pins (a cache's saved settings must not move with its pins)."""
+    """``bytes`` per conversation at ``token_bytes`` a token, ``window_bytes`` of them
+    taken by the exact window first; ``settings`` is the policy's description before any
+    pins (a cache's saved settings must not move with its pins)."""
 
     bytes: int
     token_bytes: int
     settings: dict = field(default_factory=dict)
+    window_bytes: int = 0
 
     @property
     def slots(self) -> int:
         """Tokens the budget holds, pinned ones included."""
-        return self.bytes // self.token_bytes
+        return max(0, self.bytes - self.window_bytes) // self.token_bytes
+
+    def bytes_for(self, tokens: int) -> int:
+        """The fewest bytes that hold ``tokens`` tokens."""
+        return self.window_bytes + tokens * self.token_bytes
 
 
 # Of a turn-aware cache's slots after the sink, the share its recent window takes: the turn

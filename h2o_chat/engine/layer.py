@@ -29,6 +29,7 @@ from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
 from .turns import TurnMarks
+from .window import is_window, read_newest, window_name, write_newest
 
 
 class HeldSlots:
@@ -89,7 +90,8 @@ class H2OLayer(CacheLayerMixin):
     head_dim)``, the others ``(batch, kv_heads, held)``. Keys and values are stored as
     ``storage`` says (``quant.py``): quantized, ``keys``/``values`` hold the codes and
     ``keys_scale``/``keys_min`` (and the values') their groups' scales, and attention
-    reads them dequantized (``read``).
+    reads them dequantized (``read``), the newest tokens from the exact window's rings
+    ``window_keys``/``window_values`` where the storage keeps one (``window.py``).
 
     With position rolling (``rope`` given), keys are not kept at their absolute positions
     but at their temporal rank among the held slots (``rotated_at``), and each call's
@@ -153,10 +155,13 @@ class H2OLayer(CacheLayerMixin):
         batch, heads = key_states.shape[:2]
         slots = (batch, heads, 0)
         metadata = SLOT_METADATA | (ROLLING_METADATA if self.rope is not None else {})
+        window = self.storage.window_layout(key_states.shape[-1], self.dtype)
         empty = {
             **self.storage.keys.empty("keys", slots, key_states.shape[-1], self.device, self.dtype),
             **self.storage.values.empty("values", slots, value_states.shape[-1], self.device, self.dtype),
             **{name: torch.zeros(slots, dtype=dtype, device=self.device) for name, dtype in metadata.items()},
+            **{name: torch.zeros((batch, heads, self.storage.exact_window, dim), dtype=dtype, device=self.device)
+               for name, (dtype, dim) in window.items()},
         }
         self.held = 0
         SlotGroup.alone(self, empty, size=0)
@@ -193,6 +198,9 @@ class H2OLayer(CacheLayerMixin):
         at = (slice(None), slice(None), slice(start, end))
         self.storage.keys.write_at(buffers, "keys", at, stored_keys)
         self.storage.values.write_at(buffers, "values", at, value_states)
+        for name, given in (("keys", stored_keys), ("values", value_states)):
+            if window_name(name) in buffers:
+                write_newest(buffers[window_name(name)], positions, given)
         write_bookkeeping(buffers, at, positions, self.spans.contains(positions))
         self.seen += new
         self.held = end
@@ -209,12 +217,18 @@ class H2OLayer(CacheLayerMixin):
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The held slots' keys and values as attention uses them, in ``dtype``: the
-        stored ones where kept as given, else dequantized (one pass over the held slots)."""
+        stored ones where kept as given, else dequantized (one pass over the held slots),
+        the exact window's tokens as the model gave them."""
         held = self.held_slots()
-        keys = self.storage.keys.read(held, "keys", dtype)
+        keys, values = (self._read_stored(held, name, dtype) for name in ("keys", "values"))
         if self.rope is not None and self.key_rotation is None:
             keys = self.rope.shift(keys, self.rotated_at)
-        return keys, self.storage.values.read(held, "values", dtype)
+        return keys, values
+
+    def _read_stored(self, held: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+        read = getattr(self.storage, name).read(held, name, dtype)
+        ring = held.get(window_name(name))
+        return read if ring is None else read_newest(read, ring, held["positions"], self.seen - ring.shape[2])
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.
@@ -332,10 +346,11 @@ class H2OLayer(CacheLayerMixin):
             self.turns.opened)
 
     def held_slots(self) -> dict[str, torch.Tensor]:
-        return {name: buffer[:, :, : self.held] for name, buffer in self._buffers.items()}
+        """The held slots of every slot buffer, and the exact window's rings whole."""
+        return {name: buffer if is_window(name) else buffer[:, :, : self.held] for name, buffer in self._buffers.items()}
 
     def held_slot(self, name: str) -> torch.Tensor | None:
-        """The held slots of buffer ``name``, None where the layer has no such buffer."""
+        """The held slots of slot buffer ``name``, None where the layer has no such buffer."""
         buffer = self._buffers.get(name)
         return None if buffer is None else buffer[:, :, : self.held]
 

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o_chat.config import MAX_EXACT_WINDOW
 from h2o_chat.config import STORAGE_BITS as BITS
+
+from .window import window_name
 
 # Float types a codec stores as, by bits, where the model's own dtype is not that wide.
 _FLOAT_OF_BITS = {32: torch.float32, 16: torch.float16}
@@ -181,13 +184,19 @@ def make_codec(bits: int | None) -> SlotCodec:
 
 @dataclass(frozen=True)
 class KVStorage:
-    """Storage precision of a cache's keys and of its values (None: the model's dtype)."""
+    """Storage precision of a cache's keys and of its values (None: the model's dtype),
+    and how many of the newest tokens are also kept as the model gave them wherever
+    that precision loses anything (``exact_window``, ``window.py``; 0: none)."""
 
     key_bits: int | None = None
     value_bits: int | None = None
+    exact_window: int = 0
 
     def __post_init__(self) -> None:
         make_codec(self.key_bits), make_codec(self.value_bits)  # refuse bad bits early
+        if type(self.exact_window) is not int or not 0 <= self.exact_window <= MAX_EXACT_WINDOW:
+            raise ValueError(f"exact_window = {self.exact_window!r}: must be an integer from 0 to "
+                             f"{MAX_EXACT_WINDOW}")
 
     @property
     def keys(self) -> SlotCodec:
@@ -205,6 +214,19 @@ class KVStorage:
         """Bytes one slot's key and value take, scales included."""
         return sum(dtype.itemsize * last for dtype, last in self.layout(head_dim, model_dtype).values())
 
+    def window_layout(self, head_dim: int, model_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
+        """The exact window's ring buffers, ``(batch, heads, exact_window, head_dim)`` in
+        the model's dtype: one for each quantity its codec does not store exactly."""
+        if not self.exact_window:
+            return {}
+        return {window_name(name): (model_dtype, head_dim)
+                for name, codec in (("keys", self.keys), ("values", self.values)) if not codec.exact(model_dtype)}
+
+    def window_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
+        """Bytes the exact window takes per layer and KV head."""
+        return self.exact_window * sum(dtype.itemsize * last
+                                       for dtype, last in self.window_layout(head_dim, model_dtype).values())
+
     @property
     def rotates_keys_in_place(self) -> bool:
         """Whether rolling rotates stored keys in place: only where they are kept at
@@ -213,6 +235,8 @@ class KVStorage:
         return self.key_bits in (None, 32)
 
     def describe(self) -> dict[str, int]:
-        """The bits set, for settings and stats (the model's dtype when left out)."""
-        return {name: bits for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits))
-                if bits is not None}
+        """The bits set and the exact window, for settings and stats (left out at the
+        model's dtype and at no window, as in files saved before they existed)."""
+        described = {name: bits for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits))
+                     if bits is not None}
+        return described | ({"exact_window": self.exact_window} if self.exact_window else {})

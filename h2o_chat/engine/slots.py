@@ -17,6 +17,7 @@ import torch
 
 from .rope import RopeShifter
 from .selection import kept_slots, lowest_slot, middle_slots, ranking_key
+from .window import is_window, slot_buffers
 
 # Each slot's bookkeeping beside its key and value, by buffer name.
 SLOT_METADATA = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool, "pinned": torch.bool}
@@ -155,7 +156,8 @@ class SlotMember(Protocol):
 class SlotGroup:
     """The buffers of consecutive layers, stacked: ``(batch, layers, kv_heads, size, ...)``.
 
-    Each member layer's buffers are views of its row. After the last member's attention
+    Each member layer's buffers are views of its row. Beside the slots, the group holds
+    the exact window's rings (``window.py``), which keep their length and are never evicted. After the last member's attention
     the whole group is evicted in one ``evict_slots`` call, with the layers' KV heads side
     by side; evicting layer by layer cost a few dozen small tensor ops per layer and per
     decoded token, which made H2O slower than sdpa at short contexts.
@@ -198,10 +200,11 @@ class SlotGroup:
               device: torch.device | None = None) -> SlotGroup:
         """A group of ``layer`` alone, holding ``slots`` (``(batch, kv_heads, n, ...)``
         by buffer name) in buffers with room for ``size`` slots, on ``device`` (default:
-        where ``slots`` are)."""
+        where ``slots`` are); the exact window's rings as long as they are."""
         buffers = {}
         for name, t in slots.items():
-            buffer = t.new_zeros((t.shape[0], 1, t.shape[1], size, *t.shape[3:]), device=device)
+            length = t.shape[2] if is_window(name) else size
+            buffer = t.new_zeros((t.shape[0], 1, t.shape[1], length, *t.shape[3:]), device=device)
             buffer[:, 0, :, : t.shape[2]] = t
             buffers[name] = buffer
         return cls([layer], buffers)
@@ -213,7 +216,8 @@ class SlotGroup:
         held = [layer.held_slots() for layer in layers]
         buffers = {}
         for name, t in held[0].items():
-            stacked = t.new_zeros((t.shape[0], len(layers), t.shape[1], size, *t.shape[3:]))
+            length = t.shape[2] if is_window(name) else size
+            stacked = t.new_zeros((t.shape[0], len(layers), t.shape[1], length, *t.shape[3:]))
             for index, slots in enumerate(held):
                 stacked[:, index, :, : slots[name].shape[2]] = slots[name]
             buffers[name] = stacked
@@ -221,13 +225,15 @@ class SlotGroup:
 
     def resize(self, size: int) -> None:
         """Give every member room for ``size`` slots, keeping what it holds."""
-        def grow(t: torch.Tensor) -> torch.Tensor:
+        def grow(name: str, t: torch.Tensor) -> torch.Tensor:
+            if is_window(name):
+                return t
             bigger = t.new_zeros((*t.shape[:3], size, *t.shape[4:]))
             kept = min(size, t.shape[3])
             bigger[:, :, :, :kept] = t[:, :, :, :kept]
             return bigger
 
-        self._adopt({name: grow(t) for name, t in self.buffers.items()})
+        self._adopt({name: grow(name, t) for name, t in self.buffers.items()})
 
     def relocate(self, buffers: dict[str, torch.Tensor]) -> None:
         """Move what the group holds into ``buffers`` (shaped as its own but for the number
@@ -253,7 +259,7 @@ class SlotGroup:
         for end in range(1, len(layers) + 1):
             if end < len(layers) and layers[end].held == layers[start].held:
                 continue
-            flat = {name: _side_by_side(t[:, start:end]) for name, t in self.buffers.items()}
+            flat = {name: _side_by_side(t[:, start:end]) for name, t in slot_buffers(self.buffers).items()}
             capacity, bounds = layers[start].eviction_rule()
             held = evict_slots(flat, layers[start].held, capacity, bounds, layers[start].key_rotation)
             for layer in layers[start:end]:

@@ -16,6 +16,7 @@ import torch
 
 from .quant import KVStorage
 from .slots import ROLLING_METADATA, SLOT_METADATA
+from .window import is_window
 
 _COUNTERS = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
 _DTYPES = SLOT_METADATA | ROLLING_METADATA
@@ -158,6 +159,14 @@ def _checked_turns(turns: Any, seen: int) -> tuple[list[int], int]:
     return starts, opened
 
 
+def _stores_as(storage: KVStorage, channels: int, keys: torch.Tensor) -> bool:
+    """Whether keys of ``channels`` channels are stored as ``keys``' last dimension."""
+    try:
+        return channels > 0 and storage.layout(channels, keys.dtype)["keys"][1] == keys.shape[-1]
+    except ValueError:  # a number of channels the codec cannot pack
+        return False
+
+
 def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, storage: KVStorage,
                  where: str) -> None:
     """Raise ValueError naming ``where`` if a layer could not be restored from this."""
@@ -170,7 +179,10 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
         return
     head_dim = slots["keys"].shape[-1] if "keys" in slots else 0
     stored = storage.layout(head_dim, torch.float32)  # names, and dtypes where quantized
-    names = {*stored, "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
+    # The rings are in the model's dtype, which decides which quantities have one.
+    model_dtype = next((t.dtype for name, t in slots.items() if is_window(name)), torch.float32)
+    window = storage.window_layout(head_dim, model_dtype)
+    names = {*stored, *window, "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
     if set(slots) != names:
         raise ValueError(f"{where}: tensors {sorted(slots)}, expected {sorted(names)}")
     held, size, seen = counters["held"], counters["size"], counters["seen"]
@@ -185,7 +197,14 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
         if t.dim() != 4 or t.shape[:3] != keys.shape[:3] or t.dtype != dtype:
             raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} "
                              f"{tuple(keys.shape[:3])} + one per group")
-    for name in names - set(stored):
+    for name in window:
+        # A ring holds each token's channels as given, as many as the keys store codes for.
+        t, lead = slots[name], (*keys.shape[:2], storage.exact_window)
+        channels = t.shape[-1] if t.dim() == 4 else 0
+        if t.shape[:3] != lead or not t.is_floating_point() or not _stores_as(storage, channels, keys):
+            raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected a float {lead} + the "
+                             "keys' channels")
+    for name in names - set(stored) - set(window):
         t = slots[name]
         if t.shape != keys.shape[:3] or t.dtype != _DTYPES[name]:
             raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected "

@@ -39,6 +39,7 @@ from .layer import write_bookkeeping
 from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
+from .window import read_newest, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -275,10 +276,9 @@ class _Rows:
         row's own masked out (they receive exactly zero); the mass each slot receives is
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
-        keys = seg.storage.keys.read(buffers, "keys", query.dtype)
+        keys, values = (self._read_stored(buffers, name, query.dtype) for name in ("keys", "values"))
         if seg.rope is not None and not seg.rotates_in_place:
             keys = seg.rope.shift(keys, buffers["rotated_at"])
-        values = seg.storage.values.read(buffers, "values", query.dtype)
         # The new tokens as the model gave them, in the copies read from what is stored.
         for name, read in (("keys", keys), ("values", values)):
             if self.new[name]:
@@ -292,6 +292,15 @@ class _Rows:
         buffers["scores"].add_(received)
         return output
 
+    def _read_stored(self, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+        """One layer's stored keys or values, dequantized, the exact window's from its ring."""
+        read = getattr(self.seg.storage, name).read(buffers, name, dtype)
+        ring = buffers.get(window_name(name))
+        if ring is None:
+            return read
+        newest_from = self.plan[:, POSITION].view(-1, 1, 1) + 1 - ring.shape[2]
+        return read_newest(read, ring, buffers["positions"], newest_from)
+
     def store_new(self) -> None:
         """The step's new tokens kept aside, every layer's in one write per buffer."""
         seg = self.seg
@@ -304,11 +313,15 @@ class _Rows:
                 # Stored unrotated (rotated when read): undo the model's rotation at the rank.
                 new = seg.rope.shift(new, -self.plan[None, :, ROPE, None].expand(new.shape[:3]))
             codec.write_at(self.buffers, name, every_layer, new.transpose(0, 1))
+            ring = self.buffers.get(window_name(name))
+            if ring is not None:  # after attention: the entry held the token R positions back
+                entry = self.plan[:, POSITION] % ring.shape[3]
+                ring[:, self.at[0], :, entry] = new.transpose(0, 1).to(ring.dtype)
 
     def evict(self) -> None:
         """Where a row is over budget, the lowest-ranked middle slot of every layer and
         KV head goes and the new slot moves into it: one pass over every layer and row."""
-        seg, buffers = self.seg, self.buffers
+        seg, buffers = self.seg, slot_buffers(self.buffers)
         positions = buffers["positions"]
         ranking = next(iter(seg.rankings)) if len(seg.rankings) == 1 else self.per_row(RANKING)
         key = ranking_key(ranking, buffers["scores"], positions, self.per_row(POSITION) + 1, seg.rankings,

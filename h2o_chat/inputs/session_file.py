@@ -93,6 +93,9 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
                     "held slots plus room for one prefill chunk or a doubling")
         stored = cache.storage.layout(head_dim, model.dtype)
         _check_layer_tensors(tensors, index, (1, heads, held), stored, model.dtype, fed, capacity, pinned)
+        # The exact window's rings: as long as the window, whatever the slots held.
+        window = cache.storage.window_layout(head_dim, model.dtype)
+        _check_stored(tensors, index, (1, heads, cache.storage.exact_window), window, model.dtype)
 
 
 def _check_turns(turns: Any, tokens: int, fed: int, field: str) -> None:
@@ -138,19 +141,10 @@ def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, slots:
     held)``, all finite; positions among the tokens fed; no more pinned slots than
     pinned tokens."""
     prefix = f"{TENSORS}: layers.{index}"
-    for name, (dtype, last) in stored.items():
-        tensor = tensors.get(f"layers.{index}.{name}")
-        if tensor is None:
-            continue  # the cache's own check names what is missing
-        shape = (*slots, last)
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            whose = "the model's are" if dtype == model_dtype else "this cache's precision stores"
-            raise InputError(f"{prefix}.{name} is {tensor.dtype} {tuple(tensor.shape)}; {whose} "
-                             f"{dtype} {shape}", f"{prefix}.{name}")
-    for name in (*stored, "scores"):
-        tensor = tensors.get(f"layers.{index}.{name}")
-        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise InputError(f"{prefix}.{name} holds NaN or infinite values", f"{prefix}.{name}")
+    _check_stored(tensors, index, slots, stored, model_dtype)
+    scores = tensors.get(f"layers.{index}.scores")
+    if scores is not None and scores.is_floating_point() and not bool(torch.isfinite(scores).all()):
+        raise InputError(f"{prefix}.scores holds NaN or infinite values", f"{prefix}.scores")
     positions = tensors.get(f"layers.{index}.positions")
     if positions is not None and positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < fed:
         raise InputError(f"{prefix}.positions must be from 0 to {fed - 1} (the tokens fed)", f"{prefix}.positions")
@@ -160,6 +154,24 @@ def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, slots:
         if most > pinned or (capacity is not None and slots[2] - most > capacity):
             raise InputError(f"{prefix}.pinned marks {most} slots: must be at most the {pinned} protected "
                              "tokens, with the rest within the budget", f"{prefix}.pinned")
+
+
+def _check_stored(tensors: Mapping[str, torch.Tensor], index: int, lead: tuple[int, ...],
+                  stored: Mapping[str, tuple[torch.dtype, int]], model_dtype: torch.dtype) -> None:
+    """Layer ``index``'s tensors named in ``stored`` (each one's dtype and last dimension)
+    of shape ``lead`` plus that dimension, all finite."""
+    prefix = f"{TENSORS}: layers.{index}"
+    for name, (dtype, last) in stored.items():
+        tensor = tensors.get(f"layers.{index}.{name}")
+        if tensor is None:
+            continue  # the cache's own check names what is missing
+        shape = (*lead, last)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            whose = "the model's are" if dtype == model_dtype else "this cache's precision stores"
+            raise InputError(f"{prefix}.{name} is {tensor.dtype} {tuple(tensor.shape)}; {whose} "
+                             f"{dtype} {shape}", f"{prefix}.{name}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{prefix}.{name} holds NaN or infinite values", f"{prefix}.{name}")
 
 
 def check_template_text(text: str, messages: list[dict[str, str]], tokenizer: Any) -> None:

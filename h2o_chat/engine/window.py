@@ -1,0 +1,58 @@
+"""The exact window: the newest tokens' keys and values as the model gave them, beside
+their quantized slots.
+
+Quantized slots lose most where attention looks hardest, at the newest tokens (the
+storage study, ``bench/storage_designs.py``: 4-bit keys cost 4.3% perplexity, 0.6% with
+the newest 16 tokens exact). So a cache that quantizes keeps, per layer, a ring of the
+newest ``R`` tokens' keys and values in the model's dtype, ``(batch, kv_heads, R,
+head_dim)``, the token at position ``p`` in entry ``p % R``. Slots do not change: every
+token is still written quantized, so eviction, pooling and stacking move only slots;
+reading a layer dequantizes as before and then takes the ring's copy for every slot
+among the newest ``R`` positions (one gather and one ``where``, since eviction scatters
+the newest tokens over the slots).
+
+A ring buffer sits beside the slot buffers under the name ``window_<quantity>``, with
+the same leading dimensions, so a ``SlotGroup`` and a ``RowPool`` hold and move it with
+them; only its third dimension is ``R`` rather than the slots, and nothing evicts it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "window_"
+
+
+def window_name(quantity: str) -> str:
+    """The ring buffer of ``quantity`` (``keys`` or ``values``)."""
+    return PREFIX + quantity
+
+
+def is_window(name: str) -> bool:
+    """Whether buffer ``name`` is a ring of the exact window rather than slots."""
+    return name.startswith(PREFIX)
+
+
+def slot_buffers(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``buffers`` without the rings: what eviction moves."""
+    return {name: t for name, t in buffers.items() if not is_window(name)}
+
+
+def write_newest(ring: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+    """Keep ``x`` ``(batch, heads, n, dim)``, the tokens at consecutive ``positions``
+    ``(n,)``, in ``ring`` ``(batch, heads, R, dim)``: the last ``R`` of them, each at its
+    position modulo ``R``."""
+    size = ring.shape[2]
+    ring[:, :, positions[-size:] % size] = x[:, :, -size:].to(ring.dtype)
+
+
+def read_newest(read: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor,
+                newest_from: int | torch.Tensor) -> torch.Tensor:
+    """``read`` ``(..., slots, dim)``, the slots' dequantized keys or values, with the
+    ring's copy wherever a slot's position (``positions`` ``(..., slots)``) is at least
+    ``newest_from`` (an int, or a tensor broadcasting to ``positions``): those tokens
+    are still in the ``R``-entry ring."""
+    size = ring.shape[-2]
+    index = (positions % size).unsqueeze(-1).expand(*positions.shape, ring.shape[-1])
+    exact = ring.gather(-2, index).to(read.dtype)
+    return torch.where((positions >= newest_from).unsqueeze(-1), exact, read)
