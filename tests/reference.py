@@ -110,21 +110,27 @@ class StoredAsCache(DynamicCache):
     """A stock cache keeping every key and value as ``storage`` would read them back: each
     token's are written and read through the storage's codecs on arrival (a slot's
     storage depends on that slot alone, so this is what the engine holds for it). The
-    pass that brings tokens attends them as the model gave them, and so do the newest
-    ``storage.exact_window`` tokens after it; older ones are read stored."""
+    pass that brings tokens attends them as the model gave them; later passes read them
+    stored, but for the newest ``storage.exact_window`` tokens of a quantized quantity,
+    read as the model gave them rounded to float16."""
 
     def __init__(self, config, storage: KVStorage = KVStorage()) -> None:
         super().__init__(config=config)
         self.storage = storage
-        self.given = DynamicCache(config=config)  # every key and value as the model gave it
+        self.rounded = DynamicCache(config=config)  # every key and value at float16
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = super().update(self._stored(self.storage.keys, key_states),
                                       self._stored(self.storage.values, value_states), layer_idx, *args, **kwargs)
-        given_keys, given_values = self.given.update(key_states, value_states, layer_idx)
-        exact = max(key_states.shape[2], self.storage.exact_window)
-        return (torch.cat([keys[:, :, :-exact], given_keys[:, :, -exact:]], dim=2),
-                torch.cat([values[:, :, :-exact], given_values[:, :, -exact:]], dim=2))
+        rounded = self.rounded.update(key_states.half().to(key_states.dtype),
+                                      value_states.half().to(value_states.dtype), layer_idx)
+        new = key_states.shape[2]
+        read = []
+        for stored, half, given, bits in zip((keys, values), rounded, (key_states, value_states),
+                                             (self.storage.key_bits, self.storage.value_bits)):
+            window = max(new, self.storage.exact_window if bits in (8, 4) else 0)
+            read.append(torch.cat([stored[:, :, :-window], half[:, :, -window:-new], given], dim=2))
+        return tuple(read)
 
     @staticmethod
     def _stored(codec, x):

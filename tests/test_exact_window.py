@@ -51,10 +51,14 @@ def test_without_its_window_a_4_bit_cache_reads_otherwise(tiny_model):
     assert (engine - windowed).abs().max() > 1e-2
 
 
-def test_float_slots_keep_no_ring(tiny_model):
-    cache = make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2, exact_window=8, key_bits=8)
-    feed(tiny_model, cache, torch.randint(0, 128, (1, 20)), 20)
-    assert {name for name in cache.layers[0].held_slots() if name.startswith("window_")} == {"window_keys"}
+def test_only_quantized_slots_keep_a_ring(tiny_model):
+    for bits, rings in (((8, None), {"window_keys"}), ((16, 4), {"window_values"}), ((16, 32), set())):
+        cache = make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2, exact_window=8, key_bits=bits[0],
+                           value_bits=bits[1])
+        feed(tiny_model, cache, torch.randint(0, 128, (1, 20)), 20)
+        held = cache.layers[0].held_slots()
+        assert {name for name in held if name.startswith("window_")} == rings
+        assert all(held[name].dtype == torch.float16 for name in rings)
 
 
 def test_rows_with_and_without_windows_decode_in_one_batch_as_each_alone(tiny_model):
@@ -101,8 +105,8 @@ def test_a_windowed_cache_resumes_with_bit_identical_logits(tiny_model, rolling)
     with pytest.raises(ValueError, match="cache.exact_window = 8 in the saved state, 4 in this cache"):
         other.load_state(tensors, info)
     shorter = dict(tensors) | {"layers.0.window_keys": tensors["layers.0.window_keys"][:, :, :4]}
-    with pytest.raises(ValueError, match=r"layer 0: window_keys is torch.float32 \(1, 2, 4, 16\), expected a "
-                                         r"float \(1, 2, 8\) \+ the keys' channels"):
+    with pytest.raises(ValueError, match=r"layer 0: window_keys is torch.float16 \(1, 2, 4, 16\), expected "
+                                         r"16-bit floats \(1, 2, 8\) \+ the keys' channels"):
         make_cache(tiny_model, "h2o", **options).load_state(shorter, info)
 
 
@@ -127,7 +131,8 @@ def test_a_windowed_chat_saves_resumes_and_the_gate_checks_its_rings(smollm, tmp
 
     for name, edit, field, message in (
             ("ring", longer_ring, "layers.1.window_keys",
-             "layers.1.window_keys is torch.float32 (1, 3, 17, 64); the model's are torch.float32 (1, 3, 16, 64)"),
+             "layers.1.window_keys is torch.float32 (1, 3, 17, 64); this cache's precision stores torch.float16 "
+             "(1, 3, 16, 64)"),
             ("nan", not_finite, "layers.0.window_values", "layers.0.window_values holds NaN or infinite values")):
         fresh = windowed_chat(model, tokenizer).cache
         with pytest.raises(InputError) as refused:
@@ -144,15 +149,15 @@ def test_a_byte_budget_pays_for_the_window_first(smollm):
     storage = dict(exact_window=16, **K4V4)
     cache = make_cache(model, "h2o", budget_bytes=4_000_000, sink=4, **storage)
     ring = window_bytes(model, cache.storage)
-    # 30 layers x 3 KV heads x 16 tokens x 64 channels x (keys + values) x 4 bytes
-    assert ring == 30 * 3 * 16 * 64 * 2 * 4
+    # 30 layers x 3 KV heads x 16 tokens x 64 channels x (keys + values) x 2 bytes (float16)
+    assert ring == 30 * 3 * 16 * 64 * 2 * 2
     per_token = token_bytes(model, cache.storage, rolling=False)
     assert cache.policy.capacity == (4_000_000 - ring) // per_token
     feed(model, cache, torch.randint(100, 10_000, (1, 300), generator=torch.Generator().manual_seed(0)), 64)
     stats = cache.stats()
     assert stats.held_bytes == stats.held * per_token + ring <= 4_000_000
     with pytest.raises(ConfigError, match=r"holds 0 tokens at 8,460 bytes a token after the exact window's "
-                                          r"737,280; must hold from 5"):
+                                          r"368,640; must hold from 5"):
         make_cache(model, "h2o", budget_bytes=ring, sink=4, **storage)
 
 

@@ -30,6 +30,7 @@ _FLOAT_OF_BITS = {32: torch.float32, 16: torch.float16}
 # Largest finite float16: a quantized value beyond it saturates there, as a float16
 # cache's would.
 _HALF_MAX = torch.finfo(torch.float16).max
+QUANTIZED_BITS = (8, 4)
 # Channels per scale and minimum: 4 bytes of them per 32 channels, an eighth of a byte
 # per channel on top of the codes.
 GROUP = 32
@@ -179,7 +180,7 @@ def make_codec(bits: int | None) -> SlotCodec:
     """The codec for ``bits`` (one of ``BITS``; None: the model's dtype)."""
     if bits is not None and bits not in BITS:
         raise ValueError(f"bits = {bits!r}: must be one of {', '.join(map(str, BITS))} or None")
-    return GroupQuantCodec(bits) if bits in (8, 4) else FloatCodec(bits)
+    return GroupQuantCodec(bits) if bits in QUANTIZED_BITS else FloatCodec(bits)
 
 
 @dataclass(frozen=True)
@@ -215,12 +216,13 @@ class KVStorage:
         return sum(dtype.itemsize * last for dtype, last in self.layout(head_dim, model_dtype).values())
 
     def window_layout(self, head_dim: int, model_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, int]]:
-        """The exact window's ring buffers, ``(batch, heads, exact_window, head_dim)`` in
-        the model's dtype: one for each quantity its codec does not store exactly."""
+        """The exact window's ring buffers, ``(batch, heads, exact_window, head_dim)`` at
+        16 bits (``window.py``): one for each quantity stored quantized."""
         if not self.exact_window:
             return {}
-        return {window_name(name): (model_dtype, head_dim)
-                for name, codec in (("keys", self.keys), ("values", self.values)) if not codec.exact(model_dtype)}
+        ring = make_codec(16).layout("ring", head_dim, model_dtype)["ring"]
+        return {window_name(name): ring for name, bits in (("keys", self.key_bits), ("values", self.value_bits))
+                if bits in QUANTIZED_BITS}
 
     def window_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
         """Bytes the exact window takes per layer and KV head."""

@@ -16,10 +16,10 @@ import torch
 
 from .quant import KVStorage
 from .slots import ROLLING_METADATA, SLOT_METADATA
-from .window import is_window
 
 _COUNTERS = {"initialized": bool, "seen": int, "held": int, "size": int, "has_padding": bool}
 _DTYPES = SLOT_METADATA | ROLLING_METADATA
+_RING_DTYPES = (torch.float16, torch.bfloat16)  # the exact window's, by the model's dtype
 # Settings a policy's ``describe()`` leaves out at their default value.
 _IMPLIED = {"h2o": {"score_norm": "sum"}}
 # A message lists this many differences at most (a hand-made file may name any number).
@@ -179,9 +179,7 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
         return
     head_dim = slots["keys"].shape[-1] if "keys" in slots else 0
     stored = storage.layout(head_dim, torch.float32)  # names, and dtypes where quantized
-    # The rings are in the model's dtype, which decides which quantities have one.
-    model_dtype = next((t.dtype for name, t in slots.items() if is_window(name)), torch.float32)
-    window = storage.window_layout(head_dim, model_dtype)
+    window = storage.window_layout(head_dim, torch.float32)  # names (the dtype is the model's)
     names = {*stored, *window, "scores", "positions", "valid", "pinned"} | ({"rotated_at"} if rolling else set())
     if set(slots) != names:
         raise ValueError(f"{where}: tensors {sorted(slots)}, expected {sorted(names)}")
@@ -201,9 +199,9 @@ def _check_layer(slots: dict[str, torch.Tensor], counters: dict, rolling: bool, 
         # A ring holds each token's channels as given, as many as the keys store codes for.
         t, lead = slots[name], (*keys.shape[:2], storage.exact_window)
         channels = t.shape[-1] if t.dim() == 4 else 0
-        if t.shape[:3] != lead or not t.is_floating_point() or not _stores_as(storage, channels, keys):
-            raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected a float {lead} + the "
-                             "keys' channels")
+        if t.shape[:3] != lead or t.dtype not in _RING_DTYPES or not _stores_as(storage, channels, keys):
+            raise ValueError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}, expected 16-bit floats {lead} + "
+                             "the keys' channels")
     for name in names - set(stored) - set(window):
         t = slots[name]
         if t.shape != keys.shape[:3] or t.dtype != _DTYPES[name]:

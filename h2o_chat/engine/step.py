@@ -39,7 +39,7 @@ from .layer import write_bookkeeping
 from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
-from .window import read_newest, slot_buffers, window_name
+from .window import as_ring, read_newest, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -316,7 +316,7 @@ class _Rows:
             ring = self.buffers.get(window_name(name))
             if ring is not None:  # after attention: the entry held the token R positions back
                 entry = self.plan[:, POSITION] % ring.shape[3]
-                ring[:, self.at[0], :, entry] = new.transpose(0, 1).to(ring.dtype)
+                ring[:, self.at[0], :, entry] = as_ring(new.transpose(0, 1), ring)
 
     def evict(self) -> None:
         """Where a row is over budget, the lowest-ranked middle slot of every layer and
