@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bits = ", ".join(map(str, STORAGE_BITS))
     parser.add_argument("--key-bits", type=int, help=f"storage bits of cached keys: {bits}")
     parser.add_argument("--value-bits", type=int, help=f"storage bits of cached values: {bits}")
+    parser.add_argument("--exact-window", type=int,
+                        help="newest tokens also kept as the model gave them beside 8- or 4-bit slots (0: none)")
     parser.add_argument("--budget-mb", type=float,
                         help="cache budget per conversation in MB (replaces --heavy and --recent)")
     return parser.parse_args(argv)
@@ -49,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides(args: argparse.Namespace) -> dict:
     """The flags given, as a nested dict like the config file."""
     sections = {"server": ("host", "port", "share"),
-                "cache": ("policy", "heavy", "recent", "sink", "rolling", "key_bits", "value_bits", "budget_mb")}
+                "cache": ("policy", "heavy", "recent", "sink", "rolling", "key_bits", "value_bits", "exact_window",
+                          "budget_mb")}
     return {
         section: values
         for section, keys in sections.items()

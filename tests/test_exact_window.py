@@ -12,6 +12,7 @@ from h2o_chat.engine.step import DecodeStep
 from h2o_chat.inputs import InputError
 from h2o_chat.scheduler import forward_one
 from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
+from h2o_chat.ui.gauges import Gauge, gauge_html
 
 from .helpers import GREEDY, feed
 from .test_engine import assert_same_positions, run_engine_and_reference
@@ -122,6 +123,8 @@ def test_a_windowed_chat_saves_resumes_and_the_gate_checks_its_rings(smollm, tmp
     path = save_session(session, tmp_path / "chat.h2o")
     resumed = load_session(path, model, tokenizer, windowed_chat(model, tokenizer).cache)
     assert "".join(resumed.send("And one in Asia?", **GREEDY)) == "".join(session.send("And one in Asia?", **GREEDY))
+    page = gauge_html(Gauge.of("chat", resumed.stats()))
+    assert "keys 4-bit, values 4-bit, newest 16 exact" in page and 'data-exact-window="16"' in page
 
     def longer_ring(tensors):
         tensors["layers.1.window_keys"] = torch.zeros(1, 3, 17, 64)

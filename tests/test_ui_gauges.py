@@ -35,6 +35,7 @@ def test_gauge_follows_the_session_from_empty_to_at_budget(smollm):
         "held": str(stats.cache.held), "budget": str(stats.cache.budget),
         "kv-bytes": str(stats.cache.kv_bytes), "held-bytes": str(stats.cache.held_bytes),
         "budget-bytes": "", "key-bits": "32", "value-bits": "32",  # float32 SmolLM2, slots counted
+        "exact-window": "0",
         "tps": f"{stats.decode_tokens_per_s:.2f}",
     }
     assert f"{gauge.evicted} tokens evicted" in page

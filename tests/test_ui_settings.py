@@ -157,6 +157,27 @@ def test_a_saved_byte_budget_and_bits_are_taken_into_the_controls(loaded):
     assert shown[settings.key_bits] == MODEL_DTYPE and shown[settings.budget_mb] == ""
 
 
+def test_the_exact_window_reaches_a_new_chat_and_a_saved_one_is_taken_and_cleared(loaded):
+    settings = panel(H2O_PAGE)
+    assert settings.exact_window.value == 0
+    chosen = settings.cache(values(settings, key_bits="4", value_bits="4", exact_window=16, budget_mb="1"))
+    chat = ChatState(loaded, chosen, "Be brief.")
+    "".join(chat.session.send("Tell me about the sea. " * 20, temperature=0, max_new_tokens=4))
+    stats = chat.session.stats().cache
+    assert (stats.key_bits, stats.exact_window, stats.budget_bytes) == (4, 16, 1_000_000)
+    assert stats.held_bytes <= 1_000_000 and "window_keys" in chat.session.cache.layers[0].held_slots()
+    with pytest.raises(Refusal, match=re.escape("cache.exact_window = -2: must be an integer from 0 to 1024")):
+        settings.cache(values(settings, exact_window=-2))
+    # A file saved with a window gives it to the page; one saved without gives 0 back.
+    saved, ours = chat.session.cache, cache_from_config(loaded.model, settings.cache(values(settings)))
+    adopted = settings.adopt(values(settings), settings_differences(saved.settings(), ours.settings()), loaded.model)
+    assert adopted.cache.exact_window == 16 and adopted.updates[settings.exact_window] == 16
+    assert cache_from_config(loaded.model, adopted.cache).settings() == saved.settings()
+    adopted = settings.adopt(values(settings, key_bits="4", value_bits="4", exact_window=16, budget_mb="1"),
+                             settings_differences(ours.settings(), saved.settings()), loaded.model)
+    assert adopted.cache.exact_window == 0 and adopted.updates[settings.exact_window] == 0
+
+
 def test_a_saved_budget_of_any_whole_number_of_bytes_is_taken_exactly(loaded):
     """The file's bytes go through the page's megabytes and back without moving a byte."""
     settings = panel(H2O_PAGE)

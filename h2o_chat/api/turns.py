@@ -253,7 +253,8 @@ def h2o_report(session_id: str, stats: SessionStats) -> dict[str, Any]:
     return {"session_id": session_id, "tokens_seen": cache.seen, "slots_held": cache.held,
             "budget": cache.budget, "evicted": cache.seen - cache.held, "pinned": cache.pinned,
             "kv_bytes": cache.kv_bytes, "held_bytes": cache.held_bytes, "budget_bytes": cache.budget_bytes,
-            "key_bits": cache.key_bits, "value_bits": cache.value_bits, "policy": cache.policy,
+            "key_bits": cache.key_bits, "value_bits": cache.value_bits, "exact_window": cache.exact_window,
+            "policy": cache.policy,
             "turn_starts": cache.turn_starts}
 
 

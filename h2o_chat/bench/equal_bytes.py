@@ -28,7 +28,7 @@ import time
 import torch
 
 from h2o_chat.config import CacheConfig
-from h2o_chat.engine.budget import cache_geometry, split_slots, token_bytes
+from h2o_chat.engine.budget import cache_geometry, split_slots, token_bytes, window_bytes
 from h2o_chat.engine.build import cache_for_policy
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import FullPolicy, make_policy
@@ -44,9 +44,9 @@ from .xsum import greedy, rouge
 
 PRECISIONS: dict[str, KVStorage] = {
     "float32": KVStorage(32, 32), "fp16": KVStorage(16, 16), "K8/V8": KVStorage(8, 8),
-    "K8/V4": KVStorage(8, 4), "K4/V4": KVStorage(4, 4),
+    "K8/V4": KVStorage(8, 4), "K4/V4": KVStorage(4, 4), "K4/V4 +16 exact": KVStorage(4, 4, exact_window=16),
 }
-QUANTIZE_ONLY = ("fp16", "K8/V8", "K8/V4", "K4/V4")
+QUANTIZE_ONLY = ("fp16", "K8/V8", "K8/V4", "K4/V4", "K4/V4 +16 exact")
 SINK_PRECISIONS = ("float32", "K8/V4")
 SINK = 4
 SPEED_SHARE = 0.05  # the decode timing's slots: what K8/V4 holds at this share of the bytes
@@ -61,8 +61,10 @@ def plain_token_bytes(model) -> int:
 
 
 def share_slots(model, share: float, tokens: int, storage: KVStorage) -> int:
-    """Slots that ``share`` of the plain full cache's bytes for ``tokens`` tokens buy."""
-    return min(tokens, int(share * tokens * plain_token_bytes(model)) // token_bytes(model, storage, rolling=False))
+    """Slots that ``share`` of the plain full cache's bytes for ``tokens`` tokens buy, after
+    the exact window's rings (as a byte budget counts them)."""
+    budget = int(share * tokens * plain_token_bytes(model)) - window_bytes(model, storage)
+    return min(tokens, max(0, budget) // token_bytes(model, storage, rolling=False))
 
 
 def share_variants(slots: int, precision: str) -> list[Variant]:
@@ -79,10 +81,11 @@ def _share_name(share: float) -> str:
 
 def measure_quality(model, passages, shares: list[float], *, phases=("streaming", "continuation"),
                     prefill: int = 16, stream_len: int = 1536, chunk: int = 256, baselines: bool = True,
-                    log=print) -> list[dict]:
+                    precisions: tuple[str, ...] = tuple(PRECISIONS), log=print) -> list[dict]:
     """Every cache's records (``streaming.passage_records`` plus share, precision and the
-    bytes a row held at the end) over ``passages`` in each phase; ``baselines``: the full
-    cache at each lower precision too (shares of one run may go to processes of their own)."""
+    bytes a row held at the end) over ``passages`` in each phase, for ``precisions``;
+    ``baselines``: the full cache at each lower precision too (shares and precisions of
+    one run may go to processes of their own)."""
     ids = torch.tensor([p.ids for p in passages])
     rows = ids.shape[0]
     log(f"  reference: full cache over {rows} passages x {ids.shape[1]} tokens")
@@ -93,7 +96,7 @@ def measure_quality(model, passages, shares: list[float], *, phases=("streaming"
         plain = plain_token_bytes(model) * stream_len
         found = [r | {"precision": "float32", "share": 1.0, "held_bytes_per_row": plain}
                  for r in full_records(ids, ref, passages, phase=phase, stream_len=stream_len)]
-        for precision in QUANTIZE_ONLY if baselines else ():
+        for precision in [p for p in QUANTIZE_ONLY if p in precisions] if baselines else ():
             started = time.perf_counter()
             cache = cache_for_policy(model, FullPolicy(), storage=PRECISIONS[precision])
             nll, agree, kl = phase_pass(model, cache, ids, ref, phase=phase, prefill=prefill,
@@ -106,7 +109,8 @@ def measure_quality(model, passages, shares: list[float], *, phases=("streaming"
                       for r in passage_records(f"full {precision}", "full", "full", None, passages,
                                                nll, agree, kl, phase)]
         for share in shares:
-            for precision, storage in PRECISIONS.items():
+            for precision in precisions:
+                storage = PRECISIONS[precision]
                 slots = share_slots(model, share, stream_len, storage)
                 found += [r | {"precision": precision, "share": r["held_bytes_per_row"] / plain}
                           for r in run_budget(model, ids, ref, passages, share_variants(slots, precision),

@@ -306,6 +306,7 @@ class H2OCache(CacheStateMixin, Cache):
             key_bits=self._bits(self.storage.key_bits, "keys"),
             value_bits=self._bits(self.storage.value_bits, "values"),
             budget_bytes=None if self.byte_budget is None else self.byte_budget.bytes,
+            exact_window=self.storage.exact_window,
             turn_starts=list(self.turns.starts),  # marked only where the policy keeps turns
         )
 

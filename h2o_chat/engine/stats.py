@@ -32,6 +32,8 @@ class CacheStats:
     key_bits: int | None = None
     value_bits: int | None = None
     budget_bytes: int | None = None
+    # Newest tokens also held as the model gave them beside quantized slots (0: none).
+    exact_window: int = 0
     # Where each turn begins, for a cache that keeps scores to their turn (else empty).
     turn_starts: list[int] = field(default_factory=list)
 

@@ -49,6 +49,8 @@ def bounded_label(cache: CacheConfig) -> str:
         slots = budget(cache)
         size = "settings" if slots is None else f"{slots} slots"
     bits = "/".join(f"{side}{b}" for side, b in (("K", cache.key_bits), ("V", cache.value_bits)) if b is not None)
+    if bits and cache.exact_window:
+        bits += f" +{cache.exact_window} exact"
     # Never the full side's label, even for the full policy: the plots tell sides by it.
     return f"{cache.policy} cache ({size}{', ' + bits if bits else ''})"
 

@@ -53,6 +53,7 @@ class Gauge:
     key_bits: int | None = None
     value_bits: int | None = None
     budget_bytes: int | None = None
+    exact_window: int = 0  # newest tokens also kept as given beside quantized slots
 
     @classmethod
     def of(cls, label: str, stats: SessionStats, tokens_per_s: float | None = None) -> Gauge:
@@ -73,6 +74,7 @@ class Gauge:
             key_bits=cache.key_bits,
             value_bits=cache.value_bits,
             budget_bytes=cache.budget_bytes,
+            exact_window=cache.exact_window,
         )
 
     @property
@@ -99,7 +101,7 @@ class Gauge:
 def empty_gauge(label: str, budget: int | None, cache: CacheConfig | None = None) -> str:
     """The gauge of a session not started yet, with ``cache``'s bits and byte budget where given."""
     planned = {} if cache is None else {
-        "key_bits": cache.key_bits, "value_bits": cache.value_bits,
+        "key_bits": cache.key_bits, "value_bits": cache.value_bits, "exact_window": cache.exact_window,
         "budget_bytes": None if cache.budget_mb is None else Budget.of_megabytes(cache.budget_mb).bytes}
     return gauge_html(Gauge(label, 0, 0, 0, 0, budget, 0, 0, 0.0, 0.0, **planned))
 
@@ -138,6 +140,8 @@ def gauge_html(g: Gauge) -> str:
         budget = str(g.budget - g.pinned) + ("" if g.budget_bytes is None else f" ({g.budget_bytes / MEGABYTE:g} MB)")
     budget_attr = "" if g.budget is None else str(g.budget)
     bits = "" if g.key_bits is None else f" · keys {g.key_bits}-bit, values {g.value_bits}-bit"
+    if bits and g.exact_window:
+        bits += f", newest {g.exact_window} exact"
     if g.seen == 0:
         fill = 0.0
     else:
@@ -147,7 +151,7 @@ def gauge_html(g: Gauge) -> str:
         f'data-seen="{g.seen}" data-held="{g.held}" data-budget="{budget_attr}" '
         f'data-kv-bytes="{g.kv_bytes}" data-held-bytes="{g.held_bytes}" '
         f'data-budget-bytes="{g.budget_bytes or ""}" data-key-bits="{g.key_bits or ""}" '
-        f'data-value-bits="{g.value_bits or ""}" '
+        f'data-value-bits="{g.value_bits or ""}" data-exact-window="{g.exact_window}" '
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
         f'<div title="{_COUNTS_PLAIN}">'

@@ -89,6 +89,10 @@ class Settings:
                     bits, value=_bits_choice(cache.value_bits), label="value bits", elem_id="value-bits",
                     allow_custom_value=True,
                     info="the same for values, which take 4 bits with little loss")
+                self.exact_window = gr.Number(
+                    cache.exact_window, precision=0, label="exact newest tokens", elem_id="exact-window",
+                    info="kept as the model gave them beside 8- or 4-bit slots: 16 let 4-bit keys "
+                         "lose about what 8-bit keys do (0: none)")
                 # A text box, for the seed's reason: empty means "count slots instead".
                 self.budget_mb = gr.Textbox(
                     "" if cache.budget_mb is None else f"{cache.budget_mb:g}", label="budget in MB",
@@ -105,7 +109,7 @@ class Settings:
     def components(self) -> set[gr.components.Component]:
         return {self.temperature, self.top_p, self.max_new_tokens, self.seed,
                 self.policy, self.heavy, self.recent, self.sink, self.rolling,
-                self.key_bits, self.value_bits, self.budget_mb}
+                self.key_bits, self.value_bits, self.exact_window, self.budget_mb}
 
     def sampling(self, values: dict) -> dict[str, Any]:
         """Keyword arguments of ``session.send``, checked by the config file's rules;
@@ -128,7 +132,7 @@ class Settings:
         """The cache settings the page can change, by their names in ``H2OCache.settings()``."""
         return {"policy": self.policy, **{name: getattr(self, name) for name in BUDGETS},
                 "rolling": self.rolling, "key_bits": self.key_bits, "value_bits": self.value_bits,
-                "budget_bytes": self.budget_mb}
+                "exact_window": self.exact_window, "budget_bytes": self.budget_mb}
 
     def check_adoptable(self, differences: Iterable[SettingDifference]) -> None:
         """A ``Refusal`` if the page cannot take a saved session's settings: one without
@@ -168,6 +172,7 @@ class Settings:
         page = {"policy": values[self.policy], "rolling": bool(values[self.rolling]),
                 **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
                 "key_bits": _bits(values[self.key_bits]), "value_bits": _bits(values[self.value_bits]),
+                "exact_window": _int_or_none(values[self.exact_window]),
                 "budget_mb": _megabytes(values[self.budget_mb])}
         cache = dataclasses.replace(self.config.cache, **(page | taken))
         return _checked(dataclasses.replace(self.config, cache=cache)).cache
@@ -187,7 +192,8 @@ class Settings:
             return {outputs[0]: gr.skip()}
 
         gr.on([control.change for control in (self.policy, self.heavy, self.recent, self.sink,
-                                               self.key_bits, self.value_bits, self.budget_mb)],
+                                               self.key_bits, self.value_bits, self.exact_window,
+                                               self.budget_mb)],
               changed, {state, *self.components}, outputs, show_progress="hidden")
 
 
@@ -238,21 +244,25 @@ def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-# A saved setting whose None is a value the page can show (the model's dtype, no byte
-# budget), and the config field a setting's name stands for where they differ.
-_NONE_MEANS = ("key_bits", "value_bits", "budget_bytes")
+# A saved setting whose None is a value the page can show (the model's dtype, no window,
+# no byte budget), and the config field a setting's name stands for where they differ.
+_NONE_MEANS = ("key_bits", "value_bits", "exact_window", "budget_bytes")
 _CONFIG_NAMES = {"budget_bytes": "budget_mb"}
 
 
 def _config_value(name: str, saved: Any) -> Any:
     """A saved setting as the config holds it; a file's budget in bytes is read (and
-    refused by name) as the Python API reads one."""
+    refused by name) as the Python API reads one; a file without a window has none."""
+    if name == "exact_window" and saved is None:
+        return 0
     return Budget.of_bytes(saved).megabytes if name == "budget_bytes" and saved is not None else saved
 
 
 def _shown_value(name: str, saved: Any) -> Any:
     if name in ("key_bits", "value_bits"):
         return _bits_choice(saved)
+    if name == "exact_window":
+        return _config_value(name, saved)
     if name == "budget_bytes":
         # 12 digits: every budget in whole bytes (at most 10^12) reads back as itself.
         return "" if saved is None else f"{Budget.of_bytes(saved).megabytes:.12g}"
