@@ -29,7 +29,7 @@ from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
 from .turns import TurnMarks
-from .window import is_window, read_newest, window_name, write_newest
+from .window import is_window, read_slots, window_name, write_newest
 
 
 class HeldSlots:
@@ -220,15 +220,10 @@ class H2OLayer(CacheLayerMixin):
         stored ones where kept as given, else dequantized (one pass over the held slots),
         the exact window's tokens as the model gave them."""
         held = self.held_slots()
-        keys, values = (self._read_stored(held, name, dtype) for name in ("keys", "values"))
+        keys = read_slots(self.storage.keys, held, "keys", dtype, self.seen)
         if self.rope is not None and self.key_rotation is None:
             keys = self.rope.shift(keys, self.rotated_at)
-        return keys, values
-
-    def _read_stored(self, held: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-        read = getattr(self.storage, name).read(held, name, dtype)
-        ring = held.get(window_name(name))
-        return read if ring is None else read_newest(read, ring, held["positions"], self.seen - ring.shape[2])
+        return keys, read_slots(self.storage.values, held, "values", dtype, self.seen)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.

@@ -186,8 +186,8 @@ def make_codec(bits: int | None) -> SlotCodec:
 @dataclass(frozen=True)
 class KVStorage:
     """Storage precision of a cache's keys and of its values (None: the model's dtype),
-    and how many of the newest tokens are also kept as the model gave them wherever
-    that precision loses anything (``exact_window``, ``window.py``; 0: none)."""
+    and how many of the newest tokens are also kept as the model gave them beside
+    quantized slots (``exact_window``, ``window.py``; 0: none)."""
 
     key_bits: int | None = None
     value_bits: int | None = None

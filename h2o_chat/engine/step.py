@@ -39,7 +39,7 @@ from .layer import write_bookkeeping
 from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
-from .window import as_ring, read_newest, slot_buffers, window_name
+from .window import as_ring, read_slots, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -243,6 +243,7 @@ class _Rows:
         self.buffers = {name: t[:, :count] for name, t in seg.pool.buffers.items()}
         self.layers = [dict(zip(self.buffers, views)) for views in zip(*(t.unbind(0) for t in self.buffers.values()))]
         self.new: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # by layer, see ``write``
+        self.seen = plan[:, POSITION].view(-1, 1, 1) + 1  # each row's tokens, the new one counted
 
     def per_row(self, field: int) -> torch.Tensor:
         """Plan column ``field`` shaped to broadcast over ``(layers, rows, kv_heads, slots)``."""
@@ -276,9 +277,10 @@ class _Rows:
         row's own masked out (they receive exactly zero); the mass each slot receives is
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
-        keys, values = (self._read_stored(buffers, name, query.dtype) for name in ("keys", "values"))
+        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, self.seen)
         if seg.rope is not None and not seg.rotates_in_place:
             keys = seg.rope.shift(keys, buffers["rotated_at"])
+        values = read_slots(seg.storage.values, buffers, "values", query.dtype, self.seen)
         # The new tokens as the model gave them, in the copies read from what is stored.
         for name, read in (("keys", keys), ("values", values)):
             if self.new[name]:
@@ -291,15 +293,6 @@ class _Rows:
             received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
         buffers["scores"].add_(received)
         return output
-
-    def _read_stored(self, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-        """One layer's stored keys or values, dequantized, the exact window's from its ring."""
-        read = getattr(self.seg.storage, name).read(buffers, name, dtype)
-        ring = buffers.get(window_name(name))
-        if ring is None:
-            return read
-        newest_from = self.plan[:, POSITION].view(-1, 1, 1) + 1 - ring.shape[2]
-        return read_newest(read, ring, buffers["positions"], newest_from)
 
     def store_new(self) -> None:
         """The step's new tokens kept aside, every layer's in one write per buffer."""

@@ -20,7 +20,12 @@ them; only its third dimension is ``R`` rather than the slots, and nothing evict
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # quant.py names the rings from here
+    from .quant import SlotCodec
 
 PREFIX = "window_"
 
@@ -55,13 +60,17 @@ def write_newest(ring: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -
     ring[:, :, positions[-size:] % size] = as_ring(x[:, :, -size:], ring)
 
 
-def read_newest(read: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor,
-                newest_from: int | torch.Tensor) -> torch.Tensor:
-    """``read`` ``(..., slots, dim)``, the slots' dequantized keys or values, with the
-    ring's copy wherever a slot's position (``positions`` ``(..., slots)``) is at least
-    ``newest_from`` (an int, or a tensor broadcasting to ``positions``): those tokens
-    are still in the ``R``-entry ring."""
-    size = ring.shape[-2]
+def read_slots(codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
+               seen: int | torch.Tensor) -> torch.Tensor:
+    """Quantity ``name`` of the slots in ``buffers`` (``(..., slots, dim)``, one layer's) as
+    attention reads it, in ``dtype``: as ``codec`` reads it back, but for the tokens still
+    in the ring, whose copy is taken instead. ``seen``: tokens seen, an int or a tensor
+    broadcasting to the slots' positions (one per row)."""
+    read = codec.read(buffers, name, dtype)
+    ring = buffers.get(window_name(name))
+    if ring is None:
+        return read
+    size, positions = ring.shape[-2], buffers["positions"]
     index = (positions % size).unsqueeze(-1).expand(*positions.shape, ring.shape[-1])
-    exact = ring.gather(-2, index).to(read.dtype)
-    return torch.where((positions >= newest_from).unsqueeze(-1), exact, read)
+    exact = ring.gather(-2, index).to(dtype)
+    return torch.where((positions >= seen - size).unsqueeze(-1), exact, read)
