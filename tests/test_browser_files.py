@@ -150,40 +150,60 @@ def test_a_file_of_other_cache_settings_lists_them_all_and_resumes_with_them(bro
     next_replies_are_the_same(first, second, "And three colours?")
 
 
-def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app_url, tmp_path):
-    """Saved at 1 MB with 8-bit keys and 4-bit values, resumed into a page that counts
-    slots at the model's precision: the page lists every difference, takes the file's
-    settings on request, and the next reply is the saved session's own."""
+# Typed storage settings, what a page counting slots at the model's precision lists as the
+# file's, and what it says it took. 1 MB buys 88 slots at K8/V4 (11,340 bytes a token);
+# K4/V4 with 16 exact tokens pays 368,640 for the rings and buys 74 at 8,460.
+STORED = {
+    "K8/V4": (dict(key_bits="8", value_bits="4", exact_window="0"),
+              "cache.budget_bytes = 1000000 in the file, not used on the page; cache.heavy = 79 in the file, 16 on "
+              "the page; cache.key_bits = 8 in the file, not used on the page; cache.recent = 5 in the file, 16 on "
+              "the page; cache.value_bits = 4 in the file, not used on the page",
+              "budget_mb 1, heavy 79, key_bits 8, recent 5, value_bits 4"),
+    "K4/V4 +16 exact": (dict(key_bits="4", value_bits="4", exact_window="16"),
+                        "cache.budget_bytes = 1000000 in the file, not used on the page; cache.exact_window = 16 in "
+                        "the file, not used on the page; cache.heavy = 66 in the file, 16 on the page; "
+                        "cache.key_bits = 4 in the file, not used on the page; cache.recent = 4 in the file, 16 on "
+                        "the page; cache.value_bits = 4 in the file, not used on the page",
+                        "budget_mb 1, exact_window 16, heavy 66, key_bits 4, recent 4, value_bits 4"),
+}
+
+
+@pytest.mark.parametrize("stored", STORED)
+def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app_url, tmp_path, stored):
+    """Saved at 1 MB with quantized slots, resumed into a page that counts slots at the
+    model's precision: the page lists every difference, takes the file's settings on
+    request, and the next reply is the saved session's own."""
+    typed, differences, taken = STORED[stored]
     first = open_app(browser, app_url)
     configure(first, max_new_tokens=16)
-    choose(first, "key-bits", "8")
-    choose(first, "value-bits", "4")
+    choose(first, "key-bits", typed["key_bits"])
+    choose(first, "value-bits", typed["value_bits"])
+    first.fill("#exact-window input", typed["exact_window"])
+    first.locator("#exact-window input").press("Tab")
     first.fill("#budget-mb textarea", "1")
     first.locator("#budget-mb textarea").press("Tab")
     send(first, "#chat-input", "#chat-send", "Tell me about the sea and its ships, every one of them. " * 4)
     saved = gauge(first, "chat-gauge")
-    assert (saved["budgetBytes"], saved["keyBits"], saved["valueBits"]) == ("1000000", "8", "4")
+    assert (saved["budgetBytes"], saved["keyBits"], saved["valueBits"], saved["exactWindow"]) == (
+        "1000000", typed["key_bits"], typed["value_bits"], typed["exact_window"])
     open_files(first)
-    download(first, "#chat-save-session", tmp_path / "k8v4.h2o-session.zip")
+    download(first, "#chat-save-session", tmp_path / "stored.h2o-session.zip")
 
     second = open_app(browser, app_url)
     configure(second, max_new_tokens=16)
     open_files(second)
-    upload(second, "#chat-resume-session", tmp_path / "k8v4.h2o-session.zip")
+    upload(second, "#chat-resume-session", tmp_path / "stored.h2o-session.zip")
     status = second.locator("#chat-files-status")
-    expect(status).to_contain_text(
-        "cache.budget_bytes = 1000000 in the file, not used on the page; cache.heavy = 79 in the file, 16 on "
-        "the page; cache.key_bits = 8 in the file, not used on the page; cache.recent = 5 in the file, 16 on "
-        "the page; cache.value_bits = 4 in the file, not used on the page", timeout=60_000)
+    expect(status).to_contain_text(differences, timeout=60_000)
     second.locator("#chat-adopt-settings").click()
-    expect(status).to_contain_text("Resumed with the file's cache settings (budget_mb 1, heavy 79, key_bits 8, "
-                                   "recent 5, value_bits 4)", timeout=60_000)
+    expect(status).to_contain_text(f"Resumed with the file's cache settings ({taken})", timeout=60_000)
     expect(second.locator("#budget-mb textarea")).to_have_value("1")
-    expect(second.locator("#key-bits input")).to_have_value("8")
-    expect(second.locator("#value-bits input")).to_have_value("4")
+    expect(second.locator("#key-bits input")).to_have_value(typed["key_bits"])
+    expect(second.locator("#value-bits input")).to_have_value(typed["value_bits"])
+    expect(second.locator("#exact-window input")).to_have_value(typed["exact_window"])
     resumed = gauge(second, "chat-gauge")
-    assert {k: resumed[k] for k in ("budgetBytes", "keyBits", "valueBits", "seen", "held")} == {
-        k: saved[k] for k in ("budgetBytes", "keyBits", "valueBits", "seen", "held")}
+    compared = ("budgetBytes", "keyBits", "valueBits", "exactWindow", "seen", "held")
+    assert {k: resumed[k] for k in compared} == {k: saved[k] for k in compared}
     assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
 
     next_replies_are_the_same(first, second, "And its lighthouses?")

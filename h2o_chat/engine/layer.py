@@ -29,7 +29,7 @@ from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
 from .turns import TurnMarks
-from .window import is_window, read_slots, window_name, write_newest
+from .window import entry_slots, is_window, read_slots, window_name, write_newest
 
 
 class HeldSlots:
@@ -220,10 +220,12 @@ class H2OLayer(CacheLayerMixin):
         stored ones where kept as given, else dequantized (one pass over the held slots),
         the exact window's tokens as the model gave them."""
         held = self.held_slots()
-        keys = read_slots(self.storage.keys, held, "keys", dtype, self.seen)
+        # A read follows the pass's ``update``: its newest token is in the last held slot.
+        ring = entry_slots(held, self.seen, self.held - 1)
+        keys = read_slots(self.storage.keys, held, "keys", dtype, ring)
         if self.rope is not None and self.key_rotation is None:
             keys = self.rope.shift(keys, self.rotated_at)
-        return keys, read_slots(self.storage.values, held, "values", dtype, self.seen)
+        return keys, read_slots(self.storage.values, held, "values", dtype, ring)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.

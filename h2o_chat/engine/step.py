@@ -39,7 +39,7 @@ from .layer import write_bookkeeping
 from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
-from .window import as_ring, read_slots, slot_buffers, window_name
+from .window import as_ring, entry_slots, read_slots, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -243,7 +243,7 @@ class _Rows:
         self.buffers = {name: t[:, :count] for name, t in seg.pool.buffers.items()}
         self.layers = [dict(zip(self.buffers, views)) for views in zip(*(t.unbind(0) for t in self.buffers.values()))]
         self.new: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # by layer, see ``write``
-        self.seen = plan[:, POSITION].view(-1, 1, 1) + 1  # each row's tokens, the new one counted
+        self.ring: torch.Tensor | None = None  # the slot of each exact window entry, every layer
 
     def per_row(self, field: int) -> torch.Tensor:
         """Plan column ``field`` shaped to broadcast over ``(layers, rows, kv_heads, slots)``."""
@@ -257,6 +257,8 @@ class _Rows:
                           self.plan[:, PINNED].bool().view(as_rows))
         if "rotated_at" in self.buffers:
             self.buffers["rotated_at"][every_layer] = self.slot.view(as_rows)
+        # Every layer's at once: positions do not move until the step evicts.
+        self.ring = entry_slots(self.buffers, self.plan[:, POSITION].view(as_rows) + 1, self.slot.view(as_rows))
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer ``layer``'s new keys and values (the segment's batch rows of the model's
@@ -277,10 +279,11 @@ class _Rows:
         row's own masked out (they receive exactly zero); the mass each slot receives is
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
-        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, self.seen)
+        ring = None if self.ring is None else self.ring[layer]
+        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, ring)
         if seg.rope is not None and not seg.rotates_in_place:
             keys = seg.rope.shift(keys, buffers["rotated_at"])
-        values = read_slots(seg.storage.values, buffers, "values", query.dtype, self.seen)
+        values = read_slots(seg.storage.values, buffers, "values", query.dtype, ring)
         # The new tokens as the model gave them, in the copies read from what is stored.
         for name, read in (("keys", keys), ("values", values)):
             if self.new[name]:

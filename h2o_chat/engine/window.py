@@ -9,9 +9,9 @@ token at position ``p`` in entry ``p % R``: in the model's own dtype where it ha
 bits, else float16, which loses nothing measurable (the full cache at float16 reads
 1.000x the float32 perplexity, benchmarks 8) at half the bytes. Slots do not change: every
 token is still written quantized, so eviction, pooling and stacking move only slots;
-reading a layer dequantizes as before and then takes the ring's copy for every slot
-among the newest ``R`` positions (one gather and one ``where``, since eviction scatters
-the newest tokens over the slots).
+reading a layer dequantizes as before and then writes each ring entry over the slot
+holding its token (found by position, since eviction scatters the newest tokens over
+the slots).
 
 A ring buffer sits beside the slot buffers under the name ``window_<quantity>``, with
 the same leading dimensions, so a ``SlotGroup`` and a ``RowPool`` hold and move it with
@@ -60,17 +60,34 @@ def write_newest(ring: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -
     ring[:, :, positions[-size:] % size] = as_ring(x[:, :, -size:], ring)
 
 
+def entry_slots(buffers: dict[str, torch.Tensor], seen: int | torch.Tensor,
+                newest_slot: int | torch.Tensor) -> torch.Tensor | None:
+    """Per ring entry, the slot holding its token, among one layer's slot ``buffers``
+    (``(..., slots)`` positions); None where the layer keeps no ring. ``seen``: tokens
+    seen, the pass's included, an int or per row a tensor broadcasting to the slots.
+    An entry whose token no slot holds (evicted, or not seen yet) names ``newest_slot``,
+    whose read the pass replaces with its own token as given anyway. Where slots past
+    the held ones hold stale tokens (a pool's row), a held slot comes first, and a stale
+    one is masked out of attention."""
+    ring = next((t for name, t in buffers.items() if is_window(name)), None)
+    if ring is None:
+        return None
+    size, positions = ring.shape[-2], buffers["positions"]
+    oldest = seen - size
+    # Entry j holds the one position from ``oldest`` on that is j modulo the ring's size.
+    held = oldest + (torch.arange(size, device=positions.device) - oldest) % size
+    found, slot = (held.unsqueeze(-1) == positions.unsqueeze(-2)).max(dim=-1)
+    return torch.where(found, slot, newest_slot)
+
+
 def read_slots(codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
-               seen: int | torch.Tensor) -> torch.Tensor:
-    """Quantity ``name`` of the slots in ``buffers`` (``(..., slots, dim)``, one layer's) as
-    attention reads it, in ``dtype``: as ``codec`` reads it back, but for the tokens still
-    in the ring, whose copy is taken instead. ``seen``: tokens seen, an int or a tensor
-    broadcasting to the slots' positions (one per row)."""
+               slots: torch.Tensor | None) -> torch.Tensor:
+    """Quantity ``name`` of one layer's slot ``buffers`` (``(..., slots, dim)``) as
+    attention reads it, in ``dtype``: as ``codec`` reads it back, then each ring entry
+    written over the slot ``slots`` names (``entry_slots``): R copies, where gathering
+    the ring for every slot cost as much as dequantizing them all again."""
     read = codec.read(buffers, name, dtype)
     ring = buffers.get(window_name(name))
     if ring is None:
         return read
-    size, positions = ring.shape[-2], buffers["positions"]
-    index = (positions % size).unsqueeze(-1).expand(*positions.shape, ring.shape[-1])
-    exact = ring.gather(-2, index).to(dtype)
-    return torch.where((positions >= seen - size).unsqueeze(-1), exact, read)
+    return read.scatter_(-2, slots.unsqueeze(-1).expand(*slots.shape, ring.shape[-1]), ring.to(dtype))
