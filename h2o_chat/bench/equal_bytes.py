@@ -160,26 +160,34 @@ def measure_speed(model, tokenizer, contexts: list[int], decode_tokens: int, rep
     return rows
 
 
-def measure_xsum(model, tokenizer, n_articles: int, share: float = XSUM_SHARE, log=print) -> dict:
+def measure_xsum(model, tokenizer, n_articles: int, share: float = XSUM_SHARE,
+                 precisions: tuple[str, ...] = XSUM_PRECISIONS, log=print) -> dict:
     """Comparison 3's protocol (whole prompt as one chunk, greedy, ROUGE F1) for the full
-    cache and h2o at ``share`` of the bytes the full cache holds for each prompt."""
+    cache and h2o at each of ``precisions`` with ``share`` of the bytes the full cache
+    holds for each prompt. An article whose share some precision cannot spend on the
+    sink plus one slot (an exact window's rings come first) is left out for every cache,
+    and counted."""
     eos = eos_token_ids(model, tokenizer)
-    labels = ["full float32", *(f"h2o {p}" for p in XSUM_PRECISIONS)]
+    labels = ["full float32", *(f"h2o {p}" for p in precisions)]
     scores, slots = {label: [] for label in labels}, {label: [] for label in labels[1:]}
-    started = time.perf_counter()
+    started, left_out = time.perf_counter(), 0
     for i, row in enumerate(data.xsum_articles(n_articles)):
         ids = torch.tensor([tokenizer(row["article"], add_special_tokens=False).input_ids])
+        bought = {p: share_slots(model, share, ids.shape[1], PRECISIONS[p]) for p in precisions}
+        if min(bought.values()) <= SINK:
+            left_out += 1
+            continue
         caches = {"full float32": cache_for_policy(model, FullPolicy())}
-        for precision in XSUM_PRECISIONS:
-            slots[f"h2o {precision}"].append(share_slots(model, share, ids.shape[1], PRECISIONS[precision]))
-            budgets = split_slots("h2o", slots[f"h2o {precision}"][-1], SINK)
+        for precision in precisions:
+            slots[f"h2o {precision}"].append(bought[precision])
+            budgets = split_slots("h2o", bought[precision], SINK)
             caches[f"h2o {precision}"] = cache_for_policy(model, make_policy("h2o", **budgets),
                                                           storage=PRECISIONS[precision])
         for label, cache in caches.items():
             scores[label].append(rouge(row["summary_gt"], greedy(model, tokenizer, cache, ids, eos)[0][0]))
         if (i + 1) % 10 == 0:
             log(f"  xsum {i + 1}/{n_articles} articles, {time.perf_counter() - started:.0f}s")
-    return {"share": share, "articles": n_articles,
+    return {"share": share, "articles": n_articles - left_out, "left_out": left_out,
             "caches": {label: {"mean_slots": statistics.mean(slots[label]) if label in slots else None,
                                **{k: statistics.mean(s[k] for s in scores[label]) for k in scores[label][0]}}
                        for label in labels}}
@@ -244,8 +252,10 @@ def markdown(result: dict) -> str:
         rows = [[label, "all" if c["mean_slots"] is None else f"{c['mean_slots']:.0f}", f"{c['rougeL']:.4f}",
                  f"{c['rougeL'] / full['rougeL']:.3f}×", f"{c['rouge1']:.4f}", f"{c['rouge2']:.4f}"]
                 for label, c in xs["caches"].items()]
-        blocks.append(f"**XSUM** ({xs['articles']} articles, h2o at {_share_name(xs['share'])} of the bytes the "
-                      "full cache holds for each prompt; mean slots)\n\n"
+        # Older results have no count of articles left out (none was).
+        left_out = f", {xs['left_out']} left out: too short to hold a window" if xs.get("left_out") else ""
+        blocks.append(f"**XSUM** ({xs['articles']} articles{left_out}, h2o at {_share_name(xs['share'])} of the "
+                      "bytes the full cache holds for each prompt; mean slots)\n\n"
                       + md_table(["cache", "slots", "ROUGE-L", "vs full", "ROUGE-1", "ROUGE-2"], rows))
     return "\n\n".join(blocks)
 

@@ -84,7 +84,7 @@ class Settings:
                     bits, value=_bits_choice(cache.key_bits), label="key bits", elem_id="key-bits",
                     allow_custom_value=True,
                     info="how precisely each kept key is stored: fewer bits, more slots per MB "
-                         "(keys are the fragile half: 8 keeps answers)")
+                         "(keys are the fragile half: 8 keeps answers, or 4 with 16 exact newest tokens)")
                 self.value_bits = gr.Dropdown(
                     bits, value=_bits_choice(cache.value_bits), label="value bits", elem_id="value-bits",
                     allow_custom_value=True,
@@ -98,7 +98,8 @@ class Settings:
                     "" if cache.budget_mb is None else f"{cache.budget_mb:g}", label="budget in MB",
                     placeholder="empty: the slot counts above", elem_id="budget-mb",
                     info="memory per conversation: replaces heavy and recent with the slots "
-                         "these megabytes hold at the bits above (pins counted)")
+                         "these megabytes hold at the bits above (pins counted); the most quality "
+                         "per MB: keys and values at 4 bits with 16 exact newest tokens")
 
     def fold_on_load(self, demo: gr.Blocks) -> None:
         """Fold the panel as the page loads, in the page: no server round trip, so it is
