@@ -8,16 +8,14 @@ import torch
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import ConfigError
 from h2o_chat.engine.budget import token_bytes, window_bytes
-from h2o_chat.engine.step import DecodeStep
 from h2o_chat.inputs import InputError
-from h2o_chat.scheduler import forward_one
 from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
 from h2o_chat.ui.gauges import Gauge, gauge_html
 
 from .helpers import GREEDY, feed
 from .test_engine import assert_same_positions, run_engine_and_reference
 from .test_hostile import edited
-from .test_quant import greedy_tokens
+from .test_quant import decode_as_one_batch_and_alone
 
 K4V4 = dict(key_bits=4, value_bits=4)
 
@@ -65,27 +63,9 @@ def test_only_quantized_slots_keep_a_ring(tiny_model):
 def test_rows_with_and_without_windows_decode_in_one_batch_as_each_alone(tiny_model):
     rows = [dict(exact_window=8, **K4V4), K4V4, dict(exact_window=4, key_bits=8, value_bits=4, rolling=True),
             dict(exact_window=8, key_bits=4, value_bits=4), dict(exact_window=8)]
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 128, (1, n), generator=generator) for n in (30, 17, 41, 25, 12)]
-
-    def new(row):
-        return make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2, **row)
-
-    caches, step = [new(row) for row in rows], DecodeStep()
-    with torch.inference_mode():
-        logits = [forward_one(tiny_model, cache, prompt) for cache, prompt in zip(caches, prompts)]
-        tokens = [[] for _ in rows]
-        for _ in range(25):
-            for row, row_logits in enumerate(logits):
-                tokens[row].append(int(row_logits.argmax()))
-            logits = step(tiny_model, caches, [t[-1] for t in tokens])
+    step = decode_as_one_batch_and_alone(tiny_model, rows, (30, 17, 41, 25, 12))
     # Rows 0 and 3 share a layout, one pool; a window over float slots keeps no ring.
     assert len(step.pools) == 4
-    for row, prompt in enumerate(prompts):
-        alone = new(rows[row])
-        assert greedy_tokens(tiny_model, alone, prompt, 25) == tokens[row], f"row {row}"
-        assert [layer.positions.tolist() for layer in alone.stats().layers] == \
-               [layer.positions.tolist() for layer in caches[row].stats().layers], f"row {row}"
 
 
 @pytest.mark.parametrize("rolling", [False, True])

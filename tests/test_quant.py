@@ -127,29 +127,37 @@ def greedy_tokens(model, cache, prompt, steps):
     return tokens
 
 
-def test_rows_of_different_precisions_decode_in_one_batch_as_each_alone(tiny_model):
-    rows = [dict(key_bits=8, value_bits=4), dict(key_bits=None, value_bits=None), dict(key_bits=4, value_bits=8),
-            dict(key_bits=8, value_bits=8, rolling=True)]
+def decode_as_one_batch_and_alone(model, rows: list[dict], lengths: tuple[int, ...]) -> DecodeStep:
+    """Caches of ``rows``' settings read prompts of ``lengths`` tokens and decode 25 greedy
+    tokens as one batch; each must decode the same tokens and keep the same positions as
+    alone. The step, for its pools."""
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 128, (1, n), generator=generator) for n in (30, 17, 41, 25)]
+    prompts = [torch.randint(0, 128, (1, n), generator=generator) for n in lengths]
 
     def new(row):
-        return make_cache(tiny_model, "h2o", heavy=6, recent=6, sink=2, **row)
+        return make_cache(model, "h2o", heavy=6, recent=6, sink=2, **row)
 
     caches, step = [new(row) for row in rows], DecodeStep()
     with torch.inference_mode():
-        logits = [forward_one(tiny_model, cache, prompt) for cache, prompt in zip(caches, prompts)]
+        logits = [forward_one(model, cache, prompt) for cache, prompt in zip(caches, prompts)]
         tokens = [[] for _ in rows]
         for _ in range(25):
             for row, row_logits in enumerate(logits):
                 tokens[row].append(int(row_logits.argmax()))
-            logits = step(tiny_model, caches, [t[-1] for t in tokens])
-    assert len(step.pools) == len(rows)  # one pool per layout, stepped as one batch
+            logits = step(model, caches, [t[-1] for t in tokens])
     for row, prompt in enumerate(prompts):
         alone = new(rows[row])
-        assert greedy_tokens(tiny_model, alone, prompt, 25) == tokens[row], f"row {row}"
+        assert greedy_tokens(model, alone, prompt, 25) == tokens[row], f"row {row}"
         assert [layer.positions.tolist() for layer in alone.stats().layers] == \
                [layer.positions.tolist() for layer in caches[row].stats().layers], f"row {row}"
+    return step
+
+
+def test_rows_of_different_precisions_decode_in_one_batch_as_each_alone(tiny_model):
+    rows = [dict(key_bits=8, value_bits=4), dict(key_bits=None, value_bits=None), dict(key_bits=4, value_bits=8),
+            dict(key_bits=8, value_bits=8, rolling=True)]
+    step = decode_as_one_batch_and_alone(tiny_model, rows, (30, 17, 41, 25))
+    assert len(step.pools) == len(rows)  # one pool per layout, stepped as one batch
 
 
 @pytest.mark.parametrize("rolling", [False, True])
