@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from h2o_chat.engine.quant import KVStorage
+from h2o_chat.engine.quant import QUANTIZED_BITS, KVStorage
 
 REFERENCE_NAME = "h2o_reference"
 
@@ -128,7 +128,7 @@ class StoredAsCache(DynamicCache):
         read = []
         for stored, half, given, bits in zip((keys, values), rounded, (key_states, value_states),
                                              (self.storage.key_bits, self.storage.value_bits)):
-            window = max(new, self.storage.exact_window if bits in (8, 4) else 0)
+            window = max(new, self.storage.exact_window if bits in QUANTIZED_BITS else 0)
             read.append(torch.cat([stored[:, :, :-window], half[:, :, -window:-new], given], dim=2))
         return tuple(read)
 

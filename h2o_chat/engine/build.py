@@ -87,8 +87,9 @@ def _build(model: torch.nn.Module, policy: str, rolling: bool, storage: KVStorag
 
 
 def _storage(key_bits: int | None, value_bits: int | None, exact_window: int) -> KVStorage:
+    # KVStorage checks the window by the config's rule itself.
     return KVStorage(check_field("cache.key_bits", key_bits), check_field("cache.value_bits", value_bits),
-                     check_field("cache.exact_window", exact_window))
+                     exact_window)
 
 
 def _fill_bytes(model: torch.nn.Module, policy: str, budget: Budget, storage: KVStorage, rolling: bool,

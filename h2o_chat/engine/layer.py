@@ -29,7 +29,7 @@ from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
 from .turns import TurnMarks
-from .window import entry_slots, is_window, read_slots, window_name, write_newest
+from .window import entry_slots, length, read_slots, window_name, write_newest
 
 
 class HeldSlots:
@@ -221,11 +221,11 @@ class H2OLayer(CacheLayerMixin):
         the exact window's tokens as the model gave them."""
         held = self.held_slots()
         # A read follows the pass's ``update``: its newest token is in the last held slot.
-        ring = entry_slots(held, self.seen, self.held - 1)
-        keys = read_slots(self.storage.keys, held, "keys", dtype, ring)
+        entries = entry_slots(held, self.seen, self.held - 1)
+        keys = read_slots(self.storage.keys, held, "keys", dtype, entries)
         if self.rope is not None and self.key_rotation is None:
             keys = self.rope.shift(keys, self.rotated_at)
-        return keys, read_slots(self.storage.values, held, "values", dtype, ring)
+        return keys, read_slots(self.storage.values, held, "values", dtype, entries)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.
@@ -344,7 +344,7 @@ class H2OLayer(CacheLayerMixin):
 
     def held_slots(self) -> dict[str, torch.Tensor]:
         """The held slots of every slot buffer, and the exact window's rings whole."""
-        return {name: buffer if is_window(name) else buffer[:, :, : self.held] for name, buffer in self._buffers.items()}
+        return {name: buffer[:, :, : length(name, None, self.held)] for name, buffer in self._buffers.items()}
 
     def held_slot(self, name: str) -> torch.Tensor | None:
         """The held slots of slot buffer ``name``, None where the layer has no such buffer."""

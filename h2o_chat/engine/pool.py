@@ -25,7 +25,7 @@ import torch
 from .cache import H2OCache
 from .memory import return_freed_memory
 from .slots import SlotGroup
-from .window import is_window
+from .window import length
 
 _serials = itertools.count()
 
@@ -38,7 +38,7 @@ def pool_signature(cache: H2OCache) -> tuple | None:
     if group is None or group.buffers["keys"].shape[0] != 1:
         return None
     # A ring's length (the exact window) is part of the layout; the slots are not.
-    layout = tuple((name, t.dtype, t.device, t.shape[1:3], t.shape[3] if is_window(name) else None, t.shape[4:])
+    layout = tuple((name, t.dtype, t.device, t.shape[1:3], length(name, t.shape[3], None), t.shape[4:])
                    for name, t in sorted(group.buffers.items()))
     return layout, cache.policy.capacity is not None
 
@@ -147,7 +147,7 @@ class RowPool:
     def _resize(self, rows: int, size: int, like: SlotGroup) -> None:
         """New buffers of ``rows`` rows of ``size`` slots, alike ``like``'s: every member
         moves into them."""
-        self.buffers = {name: t.new_zeros((t.shape[1], rows, t.shape[2], t.shape[3] if is_window(name) else size,
+        self.buffers = {name: t.new_zeros((t.shape[1], rows, t.shape[2], length(name, t.shape[3], size),
                                            *t.shape[4:]))
                         for name, t in like.buffers.items()}
         self.generation += 1
@@ -157,8 +157,7 @@ class RowPool:
     def _point(self, row: int, size: int) -> None:
         """Move the member of ``row`` (its group's content, ``size`` slots of it) into that row."""
         group = self._members[row]().whole_group()
-        # A ring moves whole: it does not grow with the slots.
-        group.relocate({name: t[:, row : row + 1, :, : None if is_window(name) else size].transpose(0, 1)
+        group.relocate({name: t[:, row : row + 1, :, : length(name, None, size)].transpose(0, 1)
                         for name, t in self.buffers.items()})
 
     def _drop_row(self, row: int) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_chat.config import MAX_EXACT_WINDOW
 from h2o_chat.config import STORAGE_BITS as BITS
+from h2o_chat.config import check_field
 
 from .window import window_name
 
@@ -195,9 +195,7 @@ class KVStorage:
 
     def __post_init__(self) -> None:
         make_codec(self.key_bits), make_codec(self.value_bits)  # refuse bad bits early
-        if type(self.exact_window) is not int or not 0 <= self.exact_window <= MAX_EXACT_WINDOW:
-            raise ValueError(f"exact_window = {self.exact_window!r}: must be an integer from 0 to "
-                             f"{MAX_EXACT_WINDOW}")
+        check_field("cache.exact_window", self.exact_window)
 
     @property
     def keys(self) -> SlotCodec:

@@ -17,7 +17,7 @@ import torch
 
 from .rope import RopeShifter
 from .selection import kept_slots, lowest_slot, middle_slots, ranking_key
-from .window import is_window, slot_buffers
+from .window import is_window, length, slot_buffers
 
 # Each slot's bookkeeping beside its key and value, by buffer name.
 SLOT_METADATA = {"scores": torch.float32, "positions": torch.long, "valid": torch.bool, "pinned": torch.bool}
@@ -157,10 +157,11 @@ class SlotGroup:
     """The buffers of consecutive layers, stacked: ``(batch, layers, kv_heads, size, ...)``.
 
     Each member layer's buffers are views of its row. Beside the slots, the group holds
-    the exact window's rings (``window.py``), which keep their length and are never evicted. After the last member's attention
-    the whole group is evicted in one ``evict_slots`` call, with the layers' KV heads side
-    by side; evicting layer by layer cost a few dozen small tensor ops per layer and per
-    decoded token, which made H2O slower than sdpa at short contexts.
+    the exact window's rings (``window.py``), which keep their length and are never
+    evicted. After the last member's attention the whole group is evicted in one
+    ``evict_slots`` call, with the layers' KV heads side by side; evicting layer by layer
+    cost a few dozen small tensor ops per layer and per decoded token, which made H2O
+    slower than sdpa at short contexts.
 
     A layer starts alone in a group of one; in a cache that evicts, ``H2OCache`` stacks
     neighbours on the same device once every layer has its first tokens.
@@ -203,8 +204,8 @@ class SlotGroup:
         where ``slots`` are); the exact window's rings as long as they are."""
         buffers = {}
         for name, t in slots.items():
-            length = t.shape[2] if is_window(name) else size
-            buffer = t.new_zeros((t.shape[0], 1, t.shape[1], length, *t.shape[3:]), device=device)
+            buffer = t.new_zeros((t.shape[0], 1, t.shape[1], length(name, t.shape[2], size), *t.shape[3:]),
+                                 device=device)
             buffer[:, 0, :, : t.shape[2]] = t
             buffers[name] = buffer
         return cls([layer], buffers)
@@ -216,8 +217,7 @@ class SlotGroup:
         held = [layer.held_slots() for layer in layers]
         buffers = {}
         for name, t in held[0].items():
-            length = t.shape[2] if is_window(name) else size
-            stacked = t.new_zeros((t.shape[0], len(layers), t.shape[1], length, *t.shape[3:]))
+            stacked = t.new_zeros((t.shape[0], len(layers), t.shape[1], length(name, t.shape[2], size), *t.shape[3:]))
             for index, slots in enumerate(held):
                 stacked[:, index, :, : slots[name].shape[2]] = slots[name]
             buffers[name] = stacked

@@ -243,7 +243,7 @@ class _Rows:
         self.buffers = {name: t[:, :count] for name, t in seg.pool.buffers.items()}
         self.layers = [dict(zip(self.buffers, views)) for views in zip(*(t.unbind(0) for t in self.buffers.values()))]
         self.new: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # by layer, see ``write``
-        self.ring: torch.Tensor | None = None  # the slot of each exact window entry, every layer
+        self.entries: torch.Tensor | None = None  # the slot of each exact window entry, every layer
 
     def per_row(self, field: int) -> torch.Tensor:
         """Plan column ``field`` shaped to broadcast over ``(layers, rows, kv_heads, slots)``."""
@@ -258,7 +258,7 @@ class _Rows:
         if "rotated_at" in self.buffers:
             self.buffers["rotated_at"][every_layer] = self.slot.view(as_rows)
         # Every layer's at once: positions do not move until the step evicts.
-        self.ring = entry_slots(self.buffers, self.plan[:, POSITION].view(as_rows) + 1, self.slot.view(as_rows))
+        self.entries = entry_slots(self.buffers, self.plan[:, POSITION].view(as_rows) + 1, self.slot.view(as_rows))
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer ``layer``'s new keys and values (the segment's batch rows of the model's
@@ -279,11 +279,11 @@ class _Rows:
         row's own masked out (they receive exactly zero); the mass each slot receives is
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
-        ring = None if self.ring is None else self.ring[layer]
-        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, ring)
+        entries = None if self.entries is None else self.entries[layer]
+        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, entries)
         if seg.rope is not None and not seg.rotates_in_place:
             keys = seg.rope.shift(keys, buffers["rotated_at"])
-        values = read_slots(seg.storage.values, buffers, "values", query.dtype, ring)
+        values = read_slots(seg.storage.values, buffers, "values", query.dtype, entries)
         # The new tokens as the model gave them, in the copies read from what is stored.
         for name, read in (("keys", keys), ("values", values)):
             if self.new[name]:

@@ -40,6 +40,12 @@ def is_window(name: str) -> bool:
     return name.startswith(PREFIX)
 
 
+def length(name: str, own: int | None, slots: int | None) -> int | None:
+    """Buffer ``name``'s length on the slot dimension where slot buffers have ``slots``:
+    a ring keeps its ``own``, whatever the slots."""
+    return own if is_window(name) else slots
+
+
 def slot_buffers(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``buffers`` without the rings: what eviction moves."""
     return {name: t for name, t in buffers.items() if not is_window(name)}
