@@ -8,6 +8,7 @@ import torch
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import ConfigError
 from h2o_chat.engine.budget import token_bytes, window_bytes
+from h2o_chat.engine.window import entry_slots
 from h2o_chat.inputs import InputError
 from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
 from h2o_chat.ui.gauges import Gauge, gauge_html
@@ -58,6 +59,34 @@ def test_only_quantized_slots_keep_a_ring(tiny_model):
         held = cache.layers[0].held_slots()
         assert {name for name in held if name.startswith("window_")} == rings
         assert all(held[name].dtype == torch.float16 for name in rings)
+
+
+def test_each_ring_entry_names_the_live_slot_holding_its_token():
+    """``entry_slots`` against a plain search: per row and head, entry ``p % R`` names the
+    live slot (at most ``newest``) whose position is ``p``, for the newest ``R`` positions;
+    an entry whose token was evicted names ``newest``; a stale slot past ``newest`` holding
+    a position of the window (a pool row's former conversation) is never named."""
+    torch.manual_seed(3)
+    size, slots, rows, heads = 5, 12, 3, 2
+    seen = torch.tensor([40, 9, 23]).view(rows, 1, 1)
+    newest = torch.tensor([9, 8, 11]).view(rows, 1, 1)
+    positions = torch.full((rows, heads, slots), -1)
+    for row in range(rows):
+        for head in range(heads):
+            count = int(newest[row]) + 1
+            older = torch.randperm(int(seen[row]) - 1)[: count - 1]
+            held = torch.cat((older, seen[row].view(1) - 1))[torch.randperm(count)]
+            positions[row, head, :count] = held
+            positions[row, head, count:] = int(seen[row]) - 1 - torch.arange(slots - count) % size  # stale
+    buffers = {"positions": positions, "window_keys": torch.zeros(rows, heads, size, 4)}
+    named = entry_slots(buffers, seen, newest)
+    for row in range(rows):
+        for head in range(heads):
+            live = positions[row, head, : int(newest[row]) + 1].tolist()
+            for position in range(int(seen[row]) - size, int(seen[row])):
+                expected = live.index(position) if position in live else int(newest[row])
+                assert int(named[row, head, position % size]) == expected
+    assert entry_slots({"positions": positions}, seen, newest) is None
 
 
 def test_rows_with_and_without_windows_decode_in_one_batch_as_each_alone(tiny_model):

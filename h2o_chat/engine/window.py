@@ -70,20 +70,24 @@ def entry_slots(buffers: dict[str, torch.Tensor], seen: int | torch.Tensor,
                 newest_slot: int | torch.Tensor) -> torch.Tensor | None:
     """Per ring entry, the slot holding its token, among one layer's slot ``buffers``
     (``(..., slots)`` positions); None where the layer keeps no ring. ``seen``: tokens
-    seen, the pass's included, an int or per row a tensor broadcasting to the slots.
-    An entry whose token no slot holds (evicted, or not seen yet) names ``newest_slot``,
-    whose read the pass replaces with its own token as given anyway. Where slots past
-    the held ones hold stale tokens (a pool's row), a held slot comes first, and a stale
-    one is masked out of attention."""
+    seen, the pass's included, an int or per row a tensor broadcasting to the slots;
+    ``newest_slot``: the last slot in use (the pass's newest token's), likewise. An entry
+    whose token no slot holds (evicted, or not seen yet) names ``newest_slot``, whose read
+    the pass replaces with its own token as given anyway. Slots past ``newest_slot`` (stale
+    ones of a pool's row) are never named."""
     ring = next((t for name, t in buffers.items() if is_window(name)), None)
     if ring is None:
         return None
     size, positions = ring.shape[-2], buffers["positions"]
-    oldest = seen - size
-    # Entry j holds the one position from ``oldest`` on that is j modulo the ring's size.
-    held = oldest + (torch.arange(size, device=positions.device) - oldest) % size
-    found, slot = (held.unsqueeze(-1) == positions.unsqueeze(-2)).max(dim=-1)
-    return torch.where(found, slot, newest_slot)
+    slot = torch.arange(positions.shape[-1], device=positions.device)
+    # Each slot whose token is in the window names its entry, position modulo the size;
+    # every other slot names a spare entry past the ring, dropped after. A live slot holds
+    # a position at most once, so no two slots name one entry of the ring.
+    in_window = (positions >= seen - size) & (slot <= newest_slot)
+    entry = torch.where(in_window, positions % size, size)
+    named = torch.full((*positions.shape[:-1], size + 1), -1, dtype=slot.dtype, device=slot.device)
+    named = named.scatter_(-1, entry, slot.expand_as(entry))[..., :size]
+    return torch.where(named >= 0, named, newest_slot)
 
 
 def read_slots(codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
