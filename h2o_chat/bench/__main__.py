@@ -4,7 +4,8 @@ Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), spe
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), step (the decode step's cost as
 conversations are added), bytes (8: quality at equal memory, storage precision and
-eviction), storage (8b: designs for 4-bit slots, quantization alone), or all; peer (llama.cpp on the same GGUF file, one
+eviction), storage (8b: designs for 4-bit slots, quantization alone), tiers (8d: evicted
+tokens kept at fewer bits), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
 ``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
@@ -30,7 +31,7 @@ import torch
 from h2o_chat.loading import load_model, set_torch_threads
 
 from . import (data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step, storage_designs,
-               streaming, xsum)
+               streaming, tier_study, xsum)
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
@@ -286,6 +287,10 @@ TABLE: dict[str, Comparison] = {
         "storage_designs", "8b. Designs for 4-bit slots: quantization alone, before one is built",
         lambda b: storage_designs.run(b.model, b.tokenizer, b.args.passages, b.args.design_len, log=log),
         storage_designs.plot, storage_designs.markdown),
+    "tiers": _one_page(
+        "tier_study", "8d. Evicted tokens kept at fewer bits (a tier), before one is built",
+        lambda b: tier_study.run(b.model, b.tokenizer, b.args.passages, log=log),
+        tier_study.plot, tier_study.markdown),
     "peer": _one_page(
         "peer", "Peer: llama.cpp on the same GGUF file, one conversation",
         lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,
