@@ -33,6 +33,21 @@ def pyplot():
     return plt
 
 
+def perplexity_bars(records: list[dict], path, xlabel: str, xmin: float | None = None) -> None:
+    """One bar per design of ``records`` (besides ``full``): its perplexity over the full
+    cache's, every passage pooled."""
+    plt = pyplot()
+    pooled = {r["policy"]: r for r in records if r["set"] == "all"}
+    full = pooled.pop("full")["ppl"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(list(pooled), [r["ppl"] / full for r in pooled.values()])
+    ax.axvline(1, color="black", lw=0.8)
+    ax.set(xlabel=xlabel, xlim=(xmin, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

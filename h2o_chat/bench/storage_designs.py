@@ -41,7 +41,7 @@ from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
 from .equal_bytes import plain_token_bytes
-from .report import md_table, pyplot
+from .report import md_table, perplexity_bars
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
 BLOCK = 32  # tokens per block of the per-channel design
@@ -198,13 +198,4 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    plt = pyplot()
-    pooled = {r["policy"]: r for r in result["records"] if r["set"] == "all"}
-    full = pooled.pop("full")["ppl"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh(list(pooled), [r["ppl"] / full for r in pooled.values()])
-    ax.axvline(1, color="black", lw=0.8)
-    ax.set(xlabel="perplexity / full cache (quantization alone)", xlim=(0.99, None))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    perplexity_bars(result["records"], path, "perplexity / full cache (quantization alone)", xmin=0.99)

@@ -34,7 +34,7 @@ from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
 from .equal_bytes import plain_token_bytes
-from .report import md_table, pyplot
+from .report import md_table, perplexity_bars
 from .storage_designs import round_trip
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
@@ -237,13 +237,4 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    plt = pyplot()
-    pooled = {r["policy"]: r for r in result["records"] if r["set"] == "all"}
-    full = pooled.pop("full")["ppl"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh(list(pooled), [r["ppl"] / full for r in pooled.values()])
-    ax.axvline(1, color="black", lw=0.8)
-    ax.set(xlabel=f"perplexity / full cache at {result['config']['share']:.0%} of the bytes")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    perplexity_bars(result["records"], path, f"perplexity / full cache at {result['config']['share']:.0%} of the bytes")
