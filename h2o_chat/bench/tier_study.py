@@ -55,9 +55,9 @@ class RoundingCodec(GroupQuantCodec):
 
 @dataclass(frozen=True)
 class Tier:
-    """``hi`` 4-bit slots (None: as many as the bytes buy) and the rest of the bytes as
-    lo slots with ``lo`` (key bits, value bits) in groups of ``group`` channels (None: no
-    tier, evicted tokens are dropped); ``hi_bits``: the hi slots' widths."""
+    """``hi`` slots of ``hi_bits`` (key bits, value bits; None: as many as the bytes buy)
+    and the rest of the bytes as lo slots with ``lo`` bits in groups of ``group`` channels
+    (None: no tier, evicted tokens are dropped)."""
 
     label: str
     hi: int | None = None
