@@ -6,6 +6,7 @@ bytes it was given."""
 import torch
 
 from h2o_chat import make_cache
+from h2o_chat.bench.equal_bytes import PRECISIONS, share_slots
 from h2o_chat.bench.streaming import reference_logprobs, stream_pass
 from h2o_chat.bench.tier_study import GONE, HELD, LO, SINK, WINDOW, Tier, TierLayer, tier_cache
 from h2o_chat.engine.budget import split_slots
@@ -57,7 +58,9 @@ def test_a_tier_keeps_its_evicted_tokens_within_its_capacity_and_reads_them_othe
         assert bool((counts[2] == 90 - 30 - simulated.lo_capacity).all())
 
 
-def test_the_bytes_buy_fewer_hi_slots_with_a_tier_and_lo_slots_cost_less():
+def test_the_bytes_buy_fewer_hi_slots_with_a_tier_and_lo_slots_cost_less(tiny_model):
+    # Without a tier, the bytes buy the slots a byte budget buys the engine's cache.
+    assert Tier("t").capacities(tiny_model, 0.3, 400) == (share_slots(tiny_model, 0.3, 400, PRECISIONS["K4/V4 +16 exact"]), 0)
     tier = Tier("t", hi=100, lo=(3, 3))
     # Per token and KV head (64 channels): codes, float16 scale and minimum per 32, 14 of bookkeeping.
     assert tier.slot_bytes((4, 4), 64) == 2 * (32 + 8) + 14

@@ -29,17 +29,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_chat.engine.attention import hand_over
 from h2o_chat.engine.budget import cache_geometry
-from h2o_chat.engine.quant import GroupQuantCodec, KVStorage
+from h2o_chat.engine.quant import GroupQuantCodec
 from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
-from .equal_bytes import plain_token_bytes
+from .equal_bytes import PRECISIONS, SINK, plain_token_bytes
 from .report import md_table, perplexity_bars
 from .storage_designs import round_trip
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
-WINDOW = 16
-SINK = 4
+ENGINE = PRECISIONS["K4/V4 +16 exact"]  # the engine's cache the study starts from
+WINDOW = ENGINE.exact_window
 STUDY_SHARE = 0.05
 STREAM_LEN = 1536
 HI = (4, 4)  # the engine's K4/V4
@@ -79,7 +79,7 @@ class Tier:
         for ``tokens`` tokens, after the window's rings."""
         slots_a_token, head_dim = cache_geometry(model)
         left = int(share * tokens * plain_token_bytes(model)) // slots_a_token
-        left -= KVStorage(4, 4, exact_window=WINDOW).window_bytes(head_dim, model.dtype)
+        left -= ENGINE.window_bytes(head_dim, model.dtype)
         hi_bytes = self.slot_bytes(self.hi_bits, head_dim)
         hi = left // hi_bytes if self.hi is None else self.hi
         lo = 0 if self.lo is None else (left - hi * hi_bytes) // self.slot_bytes(self.lo, head_dim, self.group)
