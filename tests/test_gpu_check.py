@@ -13,7 +13,8 @@ from h2o_chat.engine.build import make_cache
 
 CHECKS = ["rounding of bfloat16 measured", "h2o (budget above the context) equals sdpa",
           "batched rows equal each row alone", "a captured step equals an eager one",
-          "kept positions equal the CPU rule for the same scores", "memory freed between runs"]
+          "kept positions equal the CPU rule for the same scores", "the fused decode attention equals the reference",
+          "memory freed between runs"]
 CACHES = ["full", "h2o 20%", "h2o 20% K8/V4"]
 
 
@@ -25,8 +26,9 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     (model,) = result["models"]
     assert model["model"] == "tiny" and model["dtype"] == "torch.bfloat16"
     assert [c["name"] for c in model["checks"]] == CHECKS
-    # The rounding is a measurement: no verdict. Every other check passed.
-    assert [c["passed"] for c in model["checks"]] == [None] + [True] * (len(CHECKS) - 1), model["checks"]
+    # The rounding is a measurement: no verdict; nor the fused kernel's, which a CPU has
+    # not (its fallback is the reference itself). Every other check passed.
+    assert [c["passed"] for c in model["checks"]] == [None] + [True] * 4 + [None, True], model["checks"]
     positions = next(c for c in model["checks"] if c["name"] == CHECKS[4])["details"]
     assert positions["chunk"][0] == positions["chunk"][1] > 0
     assert positions["decode_step"][0] == positions["decode_step"][1] > 0

@@ -7,7 +7,8 @@ from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import CacheConfig, ConfigError
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.engine.budget import token_bytes
-from h2o_chat.engine.quant import KVStorage, make_codec
+from h2o_chat.engine import quant
+from h2o_chat.engine.quant import GroupQuantCodec, KVStorage, make_codec
 from h2o_chat.inputs import InputError
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.scheduler import forward_one
@@ -280,3 +281,21 @@ def test_other_bits_are_refused_naming_the_field(smollm):
     model, _ = smollm
     with pytest.raises(ConfigError, match="cache.key_bits = 6: must be one of 32, 16, 8, 4"):
         make_cache(model, "h2o", heavy=4, recent=4, key_bits=6)
+
+
+def test_compiled_dequantize_equals_eager_for_every_layout_without_giving_up(monkeypatch):
+    """On CUDA, reads dequantize through ``compiled_dequantize``; whatever the layout of the
+    views it is given (a pool of many rows or of one, a cache's own buffers), it must
+    decode exactly as the eager arithmetic and never fall back for having compiled too
+    many layouts (the compiler's default limit was reached on a GPU). Compiled here for
+    the CPU: the same wrapper, another backend."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    codec = GroupQuantCodec(4)
+    run = quant.compiled_dequantize()
+    for base, index in [((2, 16, 4, 100, 64), (1, slice(0, 12))), ((2, 1, 4, 37, 64), (0, slice(0, 1))),
+                        ((1, 2, 4, 57, 64), (0, 1)), ((2, 24, 4, 333, 64), (0, slice(0, 24)))]:
+        codes, scale, minimum = (t[index] for t in codec.encode(torch.randn(*base)))
+        got = run(codes, scale, minimum, 4, torch.bfloat16)
+        assert torch.equal(got, quant.dequantize(codes, scale, minimum, 4, torch.bfloat16)), base

@@ -303,6 +303,7 @@ def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) 
             seconds, peak = rows.timed(plan.batch_steps, device)
             if count in (plan.batches[0], plan.batches[-1]):
                 costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
+                log(f"  step cost {name} x {count}: {costs[-1]}")
             caches = rows.caches
             conversation = kv_numbers(caches[0])[0]
             # What a step takes beyond the caches (activations, a captured graph's pool), from
@@ -395,14 +396,17 @@ def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
               "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
               "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None}
     checks = gpu_checks.run(model, plan.check_context, plan.check_steps, plan.chunk, device)
+    # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
+    for check in checks:
+        log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
     release(device)
     freed = Freed(device)
     result["decode"] = measure_decode(model, plan, device, freed, log)
     result["serving"], result["step_costs"], result["largest_batch"] = measure_serving(model, plan, device, freed, log)
     result["prefill"] = measure_prefill(model, plan, device, freed, log)
-    result["checks"] = [asdict(c) for c in [*checks, freed.check()]]
-    for check in result["checks"]:
-        log(f"  {verdict(check['passed'])} {check['name']}: {check['measured']}")
+    freed_check = freed.check()
+    log(f"  {verdict(freed_check.passed)} {freed_check.name}: {freed_check.measured}")
+    result["checks"] = [asdict(c) for c in [*checks, freed_check]]
     result["seconds"] = round(time.perf_counter() - started, 1)
     del model
     release(device)

@@ -17,6 +17,10 @@
   are copied to the CPU, the CPU evicts them (``evict_slots``) and the device evicts its
   own: every layer, row and KV head must keep the same positions, for a prompt chunk (the
   sorting path) and a decode step (the sort-free ``drop_one``).
+- **the fused decode attention equals the reference**: the decode step's scored
+  attention (``attention.scored_decode``, one Triton kernel on a GPU) against
+  ``scored_attention`` in float32 on the same inputs, rows of unlike lengths: outputs and
+  each slot's received mass.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h2o_chat.engine.attention import fused_decode_kernel, scored_attention, scored_decode
 from h2o_chat.engine.build import cache_for_policy, make_cache
 from h2o_chat.engine.budget import split_slots
 from h2o_chat.engine.cache import H2OCache
@@ -46,6 +51,11 @@ SINK = 4
 # Share of (layer, row, KV head) sets whose kept positions may differ between two paths
 # in bfloat16: rounding flips near-tied scores (none may differ in float32).
 NEAR_TIES = 0.02
+# The fused decode attention against float32: its outputs are rounded to the model's
+# dtype (a relative 2**-8 in bfloat16) and its value products take bfloat16
+# probabilities; the received mass stays float32 throughout.
+FUSED_OUTPUT_GAP = 0.01
+FUSED_MASS_GAP = 1e-4
 
 
 @dataclass
@@ -259,6 +269,36 @@ def kept_positions_equal_cpu_rule(model, context: int, chunk: int, device: torch
                  {"chunk": [chunk_same, chunk_sets], "decode_step": [step_same, step_sets], "slots": slots})
 
 
+def fused_decode_equals_reference(model, device: torch.device) -> Check:
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    slots, lengths = 300, [300, 153, 64, 17, 1]
+    generator = torch.Generator(device=device).manual_seed(3)
+    rows = len(lengths)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device, dtype=model.dtype)
+
+    # Keys and values as a pool's views: a row's slots beyond its own size are spare.
+    query, key, value = draw(rows, heads, 1, dim), draw(rows, kv_heads, slots + 8, dim)[:, :, :slots], \
+        draw(rows, kv_heads, slots, dim)
+    live = torch.tensor(lengths, device=device)
+    mask = (torch.arange(slots, device=device) < live[:, None])[:, None, None, :]
+    with torch.inference_mode():
+        output, received = scored_decode(query, key, value, live, mask, dim ** -0.5)
+        want, probabilities = scored_attention(query.float(), key.float(), value.float(), mask, dim ** -0.5)
+    output_gap = logits_gap(output.float(), want)
+    mass_gap = (received - probabilities.sum(dim=(2, 3))).abs().max().item()
+    fused = fused_decode_kernel(query, key, value) is not None
+    passed = output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP
+    return Check("the fused decode attention equals the reference", passed if fused else None,
+                 f"{'fused kernel' if fused else 'no fused kernel on this device'}: output gap {output_gap:.4f} "
+                 f"(at most {FUSED_OUTPUT_GAP}), received mass gap {mass_gap:.2e} (at most {FUSED_MASS_GAP:g}) "
+                 f"over {rows} rows of {', '.join(map(str, lengths))} live slots of {slots}",
+                 {"output_gap": output_gap, "mass_gap": mass_gap, "fused": fused})
+
+
 def run(model, context: int, steps: int, chunk: int, device: torch.device) -> list[Check]:
     ids = random_ids(model, context + steps, device, seed=1)
     noise = rounding_noise(model, ids, context, chunk)
@@ -271,4 +311,5 @@ def run(model, context: int, steps: int, chunk: int, device: torch.device) -> li
             h2o_equals_sdpa(model, ids, context, chunk, tolerance),
             batched_rows_equal_alone(model, context, steps, chunk, device, tolerance),
             captured_step_equals_eager(model, context, steps, chunk, device, tolerance),
-            kept_positions_equal_cpu_rule(model, context, chunk, device)]
+            kept_positions_equal_cpu_rule(model, context, chunk, device),
+            fused_decode_equals_reference(model, device)]

@@ -143,6 +143,35 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return output.contiguous(), probs
 
 
+@functools.cache
+def _decode_kernel():
+    """``decode_kernel`` where Triton is installed (it comes with CUDA builds of torch), else None."""
+    try:
+        from . import decode_kernel
+    except ImportError:
+        return None
+    return decode_kernel
+
+
+def fused_decode_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The ``decode_kernel`` module where its kernel computes this call, else None."""
+    kernel = _decode_kernel() if query.is_cuda else None
+    return kernel if kernel is not None and kernel.usable(query, key, value) else None
+
+
+def scored_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor,
+                  mask: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per row over its first ``lengths[row]`` slots (``mask``, the same as
+    a boolean ``(rows, 1, 1, slots)``): the output and the float32 mass each slot
+    received ``(rows, kv_heads, slots)``, summed over the query heads of its KV head. One
+    fused kernel on a GPU (``decode_kernel``), else ``scored_attention``."""
+    kernel = fused_decode_kernel(query, key, value)
+    if kernel is not None:
+        return kernel.scored_decode(query, key, value, lengths, scaling)
+    output, probabilities = scored_attention(query, key, value, mask, scaling)
+    return output, probabilities.sum(dim=(2, 3))
+
+
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                    scaling: float) -> torch.Tensor:
     q_heads, kv_heads = query.shape[1], key.shape[1]

@@ -31,7 +31,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import hand_over, scored_attention, sdpa_attention
+from .attention import hand_over, scored_decode, sdpa_attention
 from .batch import END, EVICTS, OPENED, PINNED, POSITION, RANKING, ROPE, SLOT, START, TOKEN, Segment, StepBatch
 from .cache import H2OCache
 from .graphs import StepGraphs
@@ -290,8 +290,7 @@ class _Rows:
                 read[self.at] = self.new[name][layer]
         if not seg.scored:
             return sdpa_attention(query, keys, values, self.visible, scaling)
-        output, probabilities = scored_attention(query, keys, values, self.visible, scaling)
-        received = probabilities.sum(dim=(2, 3))
+        output, received = scored_decode(query, keys, values, self.slot + 1, self.visible, scaling)
         if seg.turns:  # slots of closed turns keep their final scores
             received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
         buffers["scores"].add_(received)

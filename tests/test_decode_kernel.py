@@ -1,0 +1,50 @@
+"""The decode step's fused attention kernel (engine/decode_kernel.py) against the plain
+scored attention. The kernel runs on CUDA only; here it runs in Triton's interpreter
+(which executes it on the CPU, in float16: the interpreter mishandles bfloat16), where
+Triton is installed, as it is with CUDA builds of torch. The CPU-only machines this
+suite usually runs on have no Triton: there the engine never calls the kernel, and
+`python -m h2o_chat.bench gpu` checks it on a GPU (gpu_checks.fused_decode_equals_reference)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Rows of unlike lengths (a padding row with none, one slot, a block's edge, past it),
+# keys read through a pool-like view whose rows have spare slots.
+PROGRAM = """
+import torch
+from h2o_chat.engine import decode_kernel
+from h2o_chat.engine.attention import scored_attention
+
+torch.manual_seed(0)
+rows, kv_heads, groups, dim, slots = 5, 2, 3, 32, 150
+lengths = torch.tensor([150, 64, 65, 1, 0])
+query = torch.randn(rows, kv_heads * groups, 1, dim, dtype=torch.float16)
+key = torch.randn(rows, kv_heads, slots + 7, dim, dtype=torch.float16)[:, :, :slots]
+value = torch.randn(rows, kv_heads, slots, dim, dtype=torch.float16)
+live = torch.arange(slots) < lengths[:, None]
+output, received = decode_kernel.scored_decode(query, key, value, lengths, dim ** -0.5)
+want, probabilities = scored_attention(query.float(), key.float(), value.float(), live[:, None, None, :], dim ** -0.5)
+mass = probabilities.sum(dim=(2, 3))
+assert output.shape == (rows, 1, kv_heads * groups, dim) and output.dtype == torch.float16
+assert received.shape == (rows, kv_heads, slots) and received.dtype == torch.float32
+torch.testing.assert_close(output[:4].float(), want[:4], atol=2e-3, rtol=2e-3)
+torch.testing.assert_close(received, torch.where(live[:, None, :], mass, 0.0), atol=1e-5, rtol=1e-5)
+assert not output[4].any() and not received[4].any()
+torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
+print("same")
+"""
+
+
+def test_fused_decode_kernel_equals_scored_attention_in_the_interpreter() -> None:
+    result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "same"
