@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from typing import Protocol
 
 import torch
@@ -144,18 +145,26 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 @functools.cache
-def _decode_kernel():
-    """``decode_kernel`` where Triton is installed (it comes with CUDA builds of torch), else None."""
+def _decode_kernel(device: torch.device):
+    """``decode_kernel`` where Triton is installed (CUDA builds of torch bring it) and builds
+    its kernels on ``device``, else None: then the reference path serves, after one
+    warning where building failed."""
     try:
         from . import decode_kernel
     except ImportError:
+        return None
+    try:
+        decode_kernel.probe(device)
+    except Exception as err:  # whatever Triton raises where it cannot build or launch
+        warnings.warn(f"the fused decode attention cannot run on {device} ({type(err).__name__}: {err}); "
+                      "the reference attention serves instead", RuntimeWarning, stacklevel=2)
         return None
     return decode_kernel
 
 
 def fused_decode_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """The ``decode_kernel`` module where its kernel computes this call, else None."""
-    kernel = _decode_kernel() if query.is_cuda else None
+    kernel = _decode_kernel(query.device) if query.is_cuda else None
     return kernel if kernel is not None and kernel.usable(query, key, value) else None
 
 

@@ -80,6 +80,15 @@ def _received(logits, lse, lengths, received, l_row, l_head, l_group, r_row, r_h
     tl.store(received + row * r_row + head * r_head + slot, tl.where(held, mass, 0.0), mask=slot < slots)
 
 
+def probe(device: torch.device) -> None:
+    """Build and run the kernels once on ``device``: raises where Triton cannot build
+    them there (it compiles a launcher with the system's C compiler, which a slim image
+    may lack)."""
+    one = torch.zeros((1, 1, 1, MIN_ROWS), dtype=torch.bfloat16, device=device)
+    scored_decode(one, one, one, torch.ones(1, dtype=torch.int32, device=device), 1.0)
+    torch.cuda.synchronize(device)
+
+
 def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the kernel computes this call: half precision on CUDA, one query token, a
     power-of-two head dimension (Triton's block shapes), channels contiguous."""

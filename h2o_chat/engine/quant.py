@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,8 +146,8 @@ class GroupQuantCodec(SlotCodec):
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
-        fused = codes.is_cuda and _compiles_for_cuda()
-        return (compiled_dequantize() if fused else dequantize)(codes, scale, minimum, self.bits, dtype)
+        read = _dequantize_on(codes.device) if codes.is_cuda else dequantize
+        return read(codes, scale, minimum, self.bits, dtype)
 
     def write_at(self, buffers, name, at, x):
         codes, scale, minimum = self.encode(x)
@@ -188,10 +189,22 @@ def compiled_dequantize() -> Callable[..., torch.Tensor]:
 
 
 @functools.cache
-def _compiles_for_cuda() -> bool:
-    """Whether torch's compiler can make CUDA kernels here: it needs Triton, which CUDA
-    builds of torch bring."""
-    return importlib.util.find_spec("triton") is not None
+def _dequantize_on(device: torch.device) -> Callable[..., torch.Tensor]:
+    """``compiled_dequantize`` where torch's compiler builds it for ``device`` (it needs
+    Triton, which CUDA builds of torch bring, and a C compiler), else ``dequantize``,
+    after one warning where building failed."""
+    if importlib.util.find_spec("triton") is None:
+        return dequantize
+    compiled = compiled_dequantize()
+    try:  # sizes above 1: what is compiled here serves every shape
+        compiled(torch.zeros((2, 2, 2), dtype=torch.uint8, device=device),
+                 torch.ones((2, 2, 1), dtype=torch.float16, device=device),
+                 torch.zeros((2, 2, 1), dtype=torch.float16, device=device), 8, torch.float32)
+    except Exception as err:  # whatever the compiler raises where it cannot build
+        warnings.warn(f"compiled dequantization cannot run on {device} ({type(err).__name__}: {err}); "
+                      "reading eagerly instead", RuntimeWarning, stacklevel=2)
+        return dequantize
+    return compiled
 
 
 @functools.cache
