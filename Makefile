@@ -14,7 +14,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: help setup browser run test screenshots clean
+.PHONY: help setup browser triton run test screenshots clean
 .DEFAULT_GOAL := help
 
 help:
@@ -44,9 +44,16 @@ browser:
 run: $(STAMP)
 	$(PY) app.py $(ARGS)
 
+# The decode step's Triton kernel runs on CUDA only; the tests run it in Triton's
+# interpreter on the CPU. CUDA builds of torch bring Triton (at the version torch wants,
+# left alone); a CPU build does not, so it is added for the tests, never for the app.
+TRITON := triton==3.9.0
+triton: $(STAMP)
+	@$(PY) -c "import triton" 2>/dev/null || $(PIP) $(TRITON)
+
 # A worker per core, at most 4 (each holds a model, a browser and apps of its own); each
 # test module stays on one worker, so its apps start once. TEST_ARGS adds pytest options.
-test: $(STAMP) browser
+test: $(STAMP) browser triton
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(TEST_ARGS) tests
 
 screenshots: $(STAMP) browser

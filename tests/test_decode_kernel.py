@@ -1,9 +1,8 @@
 """The decode step's fused attention kernel (engine/decode_kernel.py) against the plain
 scored attention. The kernel runs on CUDA only; here it runs in Triton's interpreter
-(which executes it on the CPU, in float16: the interpreter mishandles bfloat16), where
-Triton is installed, as it is with CUDA builds of torch. The CPU-only machines this
-suite usually runs on have no Triton: there the engine never calls the kernel, and
-`python -m h2o_chat.bench gpu` checks it on a GPU (gpu_checks.fused_decode_equals_reference)."""
+(which executes it on the CPU, in float16: the interpreter mishandles bfloat16). CUDA
+builds of torch bring Triton; on a CPU build `make test` adds it. On a GPU,
+`python -m h2o_chat.bench gpu` checks the kernel itself (gpu_checks.fused_decode_equals_reference)."""
 
 import os
 import subprocess
