@@ -13,7 +13,10 @@ from h2o_chat.config import ConfigError, load_config
 
 from .api_support import CACHE, MODEL_ID, serving
 
-BODY = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+# Greedy: a sampled two-token reply may be empty, which the tests below must not mistake
+# for a refusal.
+BODY = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2,
+        "temperature": 0}
 EVIL = "http://evil.example"
 
 

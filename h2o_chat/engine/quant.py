@@ -181,11 +181,13 @@ COMPILED_LAYOUTS = 64
 
 
 @functools.cache
-def compiled_dequantize() -> Callable[..., torch.Tensor]:
-    """``dequantize`` compiled into one kernel. Eagerly its four passes over every slot
-    dominate a batched step on a GPU: on an H200, a layer's 8-bit keys of 512 rows took
-    2.2 ms eagerly and 0.22 compiled (docs/benchmarks.md, "The GPU check")."""
-    return torch._dynamo.config.patch(recompile_limit=COMPILED_LAYOUTS)(torch.compile(dequantize, dynamic=True))
+def compiled_dequantize(backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``dequantize`` compiled into one kernel (by ``backend``; the tests trace with
+    ``eager``, which needs no compiler). Eagerly its four passes over every slot dominate
+    a batched step on a GPU: on an H200, a layer's 8-bit keys of 512 rows took 2.2 ms
+    eagerly and 0.22 compiled (docs/benchmarks.md, "The GPU check")."""
+    compiled = torch.compile(dequantize, dynamic=True, backend=backend)
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_LAYOUTS)(compiled)
 
 
 @functools.cache
