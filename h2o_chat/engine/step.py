@@ -236,7 +236,8 @@ class _Rows:
         device = plan.device
         self.slot = plan[:, SLOT]
         size = seg.pool.size
-        self.live = torch.arange(size, device=device) < self.slot[:, None] + 1  # (rows, slots)
+        self.lengths = self.slot + 1  # each row's live slots: the first ``slot + 1``
+        self.live = torch.arange(size, device=device) < self.lengths[:, None]  # (rows, slots)
         self.visible = self.live[:, None, None, :]
         # The new slot of each row, in one layer's (rows, kv_heads, size) buffers.
         self.at = (torch.arange(count, device=device), slice(None), self.slot)
@@ -290,7 +291,7 @@ class _Rows:
                 read[self.at] = self.new[name][layer]
         if not seg.scored:
             return sdpa_attention(query, keys, values, self.visible, scaling)
-        output, received = scored_decode(query, keys, values, self.slot + 1, self.visible, scaling)
+        output, received = scored_decode(query, keys, values, self.lengths, self.visible, scaling)
         if seg.turns:  # slots of closed turns keep their final scores
             received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
         buffers["scores"].add_(received)
