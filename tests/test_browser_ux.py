@@ -180,6 +180,55 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
         page.context.close()
 
 
+# The page's ids of a tab's swap back to Send: the events after each turn that answer
+# (send, stop).
+SWAP_BACK_EVENTS = """prefix => {
+  const config = window.gradio_config;
+  const id = name => config.components.find(c => c.props.elem_id === `${prefix}-${name}`).id;
+  const send = id("send"), stop = id("stop");
+  return config.dependencies
+    .filter(d => d.trigger_after != null && d.outputs.length === 2
+            && d.outputs[0] === send && d.outputs[1] === stop)
+    .map(d => d.id);
+}"""
+
+
+def test_a_refused_turn_answered_late_leaves_send_to_the_running_one(page):
+    """A second Enter while a reply streams is refused; its swap event is held in flight
+    (as a busy server answers late) while Esc ends the reply: the reply's own swap event
+    must still run and show Send. (Gradio's default for such an event, "once", dropped
+    the second while the first was pending: Stop stayed, with nothing to stop.)"""
+    events = set(page.evaluate(SWAP_BACK_EVENTS, "chat"))
+    assert len(events) == 4  # send, regenerate, edit, continue
+    held = []
+
+    def hold_the_first_swap(route):
+        if not held and (route.request.post_data_json or {}).get("fn_index") in events:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/gradio_api/run/predict", hold_the_first_swap)  # queue=False events
+    configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
+    show_settings(page, False)
+    page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+    page.press("#chat-input textarea", "Enter")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+        ".some(e => e.innerText.length > 20)")
+    with page.expect_request(lambda request: request.url.endswith("/run/predict") and (
+            request.post_data_json or {}).get("fn_index") in events):
+        page.fill("#chat-input textarea", "And then?")
+        page.press("#chat-input textarea", "Enter")
+    _expect_toast(page, "A reply is still streaming: press Stop (or Esc) first.")
+    assert held  # the refused turn's swap waits
+    page.keyboard.press("Escape")
+    expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+    expect(page.locator("#chat-stop")).to_be_hidden()
+    held[0].continue_()
+    assert messages(page, "chatbot", "user") == ["Count from one to two hundred in words."]
+
+
 def test_one_budget_that_follows_the_settings(page):
     open_tab(page, "Compare")
     configure(page, heavy=16, recent=16)

@@ -122,8 +122,8 @@ def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendSt
     for swap in swaps:
         # In the page, as the swap: a server's answer could come after the turn ended.
         swap.started.then(None, None, busy_poll, js=START_TIMER, queue=False, show_progress="hidden")
-        for turn in swap.turns:
-            turn.then(after_turn, states, [line, busy_poll], **options)
+        for turn in swap.turns:  # "multiple": see ``SendStopSwap.until``
+            turn.then(after_turn, states, [line, busy_poll], trigger_mode="multiple", **options)
 
 
 def server_line(server: ServerConfig) -> str:

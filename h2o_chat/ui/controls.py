@@ -108,6 +108,9 @@ class SendStopSwap:
                 return gr.skip(), gr.skip()
             return gr.Button(visible=True), gr.Button(visible=False)
 
+        # "multiple": with Gradio's default ("once") the page drops an ``after`` while
+        # another is in flight, so a refused turn's, answered late by a busy server, ate
+        # the running turn's and left Stop shown.
         for event in events:
             event.then(after, [self.state], [self.send, self.stop], queue=False,
-                       show_progress="hidden")
+                       show_progress="hidden", trigger_mode="multiple")
