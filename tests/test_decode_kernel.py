@@ -16,29 +16,58 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 # Rows of unlike lengths (a padding row with none, one slot, a block's edge, past it),
-# keys read through a pool-like view whose rows have spare slots.
+# slots read through a pool-like view whose rows have spare slots; stored as floats, or
+# as 8- and 4-bit codes with the exact window's ring over the newest slots and each row's
+# new token as the model gave it.
 PROGRAM = """
+import sys
 import torch
 from h2o_chat.engine import decode_kernel
 from h2o_chat.engine.attention import scored_attention
+from h2o_chat.engine.quant import make_codec
+from h2o_chat.engine.stored import StoredSlots
 
 torch.manual_seed(0)
-rows, kv_heads, groups, dim, slots = 5, 2, 3, 32, 150
+rows, kv_heads, groups, dim, slots, ring = 5, 2, 3, 32, 150, 6
 lengths = torch.tensor([150, 64, 65, 1, 0])
-query = torch.randn(rows, kv_heads * groups, 1, dim, dtype=torch.float16)
-key = torch.randn(rows, kv_heads, slots + 7, dim, dtype=torch.float16)[:, :, :slots]
-value = torch.randn(rows, kv_heads, slots, dim, dtype=torch.float16)
-live = torch.arange(slots) < lengths[:, None]
-output, received = decode_kernel.scored_decode(query, key, value, lengths, dim ** -0.5)
-want, probabilities = scored_attention(query.float(), key.float(), value.float(), live[:, None, None, :], dim ** -0.5)
-mass = probabilities.sum(dim=(2, 3))
-assert output.shape == (rows, 1, kv_heads * groups, dim) and output.dtype == torch.float16
-assert received.shape == (rows, kv_heads, slots) and received.dtype == torch.float32
-torch.testing.assert_close(output[:4].float(), want[:4], atol=2e-3, rtol=2e-3)
-torch.testing.assert_close(received, torch.where(live[:, None, :], mass, 0.0), atol=1e-5, rtol=1e-5)
-assert not output[4].any() and not received[4].any()
-torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
-print("same")
+newest = (lengths - 1).clamp(min=0)
+at = (torch.arange(rows), slice(None), newest)
+# Per ring entry the slot of its token: the newest slots in a shuffled order (eviction
+# scatters them); entries of tokens no slot holds name the newest slot.
+back = torch.randperm(ring)
+entries = (newest[:, None, None] - back).expand(rows, kv_heads, ring)
+entries = torch.where(entries >= 0, entries, newest[:, None, None]).contiguous()
+
+
+def stored(bits, name, windowed):
+    x = torch.randn(rows, kv_heads, slots, dim) * 3
+    if bits is None:
+        return StoredSlots.plain(torch.randn(rows, kv_heads, slots + 7, dim, dtype=torch.float16)[:, :, :slots])
+    codec = make_codec(bits)
+    buffers = codec.empty(name, (rows, kv_heads, slots + 7), dim, torch.device("cpu"), torch.float16)
+    buffers = {key: t[:, :, :slots] for key, t in buffers.items()}
+    codec.write(buffers, name, 0, slots, x)
+    if windowed:
+        buffers["window_" + name] = torch.randn(rows, kv_heads, ring, dim, dtype=torch.float16)
+    new = torch.randn(rows, kv_heads, 1, dim, dtype=torch.float16)[:, :, 0]
+    return StoredSlots(codec, buffers, name, entries if windowed else None, new, at)
+
+
+for key_bits, value_bits, windowed in ((None, None, False), (8, 4, True), (4, 8, False)):
+    keys, values = stored(key_bits, "keys", windowed), stored(value_bits, "values", windowed)
+    query = torch.randn(rows, kv_heads * groups, 1, dim, dtype=torch.float16)
+    live = torch.arange(slots) < lengths[:, None]
+    output, received = decode_kernel.scored_decode(query, keys, values, lengths, dim ** -0.5)
+    want, probabilities = scored_attention(query.float(), keys.read(torch.float16).float(),
+                                           values.read(torch.float16).float(), live[:, None, None, :], dim ** -0.5)
+    mass = probabilities.sum(dim=(2, 3))
+    assert output.shape == (rows, 1, kv_heads * groups, dim) and output.dtype == torch.float16
+    assert received.shape == (rows, kv_heads, slots) and received.dtype == torch.float32
+    torch.testing.assert_close(output[:4].float(), want[:4], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(received, torch.where(live[:, None, :], mass, 0.0), atol=1e-5, rtol=1e-5)
+    assert not output[4].any() and not received[4].any()
+    torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
+    print("same", key_bits, value_bits, windowed)
 """
 
 
@@ -46,4 +75,4 @@ def test_fused_decode_kernel_equals_scored_attention_in_the_interpreter() -> Non
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=os.environ | {"TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "same"
+    assert result.stdout.split("\n")[:-1] == ["same None None False", "same 8 4 True", "same 4 8 False"]

@@ -20,7 +20,8 @@
 - **the fused decode attention equals the reference**: the decode step's scored
   attention (``attention.scored_decode``, one Triton kernel on a GPU) against
   ``scored_attention`` in float32 on the same inputs, rows of unlike lengths: outputs and
-  each slot's received mass.
+  each slot's received mass, for slots held as floats and as 8-bit keys and 4-bit values
+  (read as codes by the kernel) with the exact window over the newest.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from h2o_chat.engine.build import cache_for_policy, make_cache
 from h2o_chat.engine.budget import split_slots
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.quant import make_codec
 from h2o_chat.engine.slots import evict_slots
 from h2o_chat.engine.step import DecodeStep
+from h2o_chat.engine.stored import StoredSlots
+from h2o_chat.engine.window import window_name
 from h2o_chat.scheduler import forward_one
 
 # Two code paths in bfloat16 may each stray from the exact logits as far as rounding
@@ -273,30 +277,50 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    slots, lengths = 300, [300, 153, 64, 17, 1]
+    slots, lengths, ring = 300, [300, 153, 64, 17, 1], 16
     generator = torch.Generator(device=device).manual_seed(3)
     rows = len(lengths)
+    live = torch.tensor(lengths, device=device)
+    newest = live - 1
+    mask = (torch.arange(slots, device=device) < live[:, None])[:, None, None, :]
+    # Per ring entry its token's slot: the newest, shuffled as eviction leaves them.
+    back = torch.randperm(ring, generator=generator, device=device)
+    entries = (newest[:, None, None] - back).expand(rows, kv_heads, ring)
+    entries = torch.where(entries >= 0, entries, newest[:, None, None]).contiguous()
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=device, dtype=model.dtype)
 
-    # Keys and values as a pool's views: a row's slots beyond its own size are spare.
-    query, key, value = draw(rows, heads, 1, dim), draw(rows, kv_heads, slots + 8, dim)[:, :, :slots], \
-        draw(rows, kv_heads, slots, dim)
-    live = torch.tensor(lengths, device=device)
-    mask = (torch.arange(slots, device=device) < live[:, None])[:, None, None, :]
-    with torch.inference_mode():
-        output, received = scored_decode(query, key, value, live, mask, dim ** -0.5)
-        want, probabilities = scored_attention(query.float(), key.float(), value.float(), mask, dim ** -0.5)
-    output_gap = logits_gap(output.float(), want)
-    mass_gap = (received - probabilities.sum(dim=(2, 3))).abs().max().item()
-    fused = fused_decode_kernel(query, key, value) is not None
-    passed = output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP
+    def stored(bits: int | None, name: str) -> StoredSlots:
+        # As a pool's views: a row's slots beyond its own size are spare.
+        if bits is None:
+            return StoredSlots.plain(draw(rows, kv_heads, slots + 8, dim)[:, :, :slots])
+        codec = make_codec(bits)
+        buffers = codec.empty(name, (rows, kv_heads, slots + 8), dim, device, model.dtype)
+        buffers = {key: t[:, :, :slots] for key, t in buffers.items()}
+        codec.write(buffers, name, 0, slots, draw(rows, kv_heads, slots, dim))
+        buffers[window_name(name)] = draw(rows, kv_heads, ring, dim)
+        return StoredSlots(codec, buffers, name, entries, draw(rows, kv_heads, dim),
+                           (torch.arange(rows, device=device), slice(None), newest))
+
+    gaps, fused = {}, True
+    for key_bits, value_bits in ((None, None), (8, 4)):
+        keys, values, query = stored(key_bits, "keys"), stored(value_bits, "values"), draw(rows, heads, 1, dim)
+        with torch.inference_mode():
+            output, received = scored_decode(query, keys, values, live, mask, dim ** -0.5)
+            want, probabilities = scored_attention(query.float(), keys.read(model.dtype).float(),
+                                                   values.read(model.dtype).float(), mask, dim ** -0.5)
+        label = "float" if key_bits is None else f"K{key_bits}/V{value_bits} +{ring} exact"
+        gaps[label] = (logits_gap(output.float(), want), (received - probabilities.sum(dim=(2, 3))).abs().max().item())
+        fused = fused and fused_decode_kernel(query, keys, values) is not None
+    passed = all(output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP for output_gap, mass_gap in gaps.values())
     return Check("the fused decode attention equals the reference", passed if fused else None,
-                 f"{'fused kernel' if fused else 'no fused kernel on this device'}: output gap {output_gap:.4f} "
-                 f"(at most {FUSED_OUTPUT_GAP}), received mass gap {mass_gap:.2e} (at most {FUSED_MASS_GAP:g}) "
-                 f"over {rows} rows of {', '.join(map(str, lengths))} live slots of {slots}",
-                 {"output_gap": output_gap, "mass_gap": mass_gap, "fused": fused})
+                 f"{'fused kernel' if fused else 'no fused kernel on this device'}: "
+                 + "; ".join(f"{label}: output gap {output_gap:.4f}, received mass gap {mass_gap:.2e}"
+                             for label, (output_gap, mass_gap) in gaps.items())
+                 + f" (at most {FUSED_OUTPUT_GAP} and {FUSED_MASS_GAP:g}) over {rows} rows of "
+                 f"{', '.join(map(str, lengths))} live slots of {slots}, the newest token as given",
+                 {"gaps": gaps, "fused": fused})
 
 
 def run(model, context: int, steps: int, chunk: int, device: torch.device) -> list[Check]:

@@ -21,6 +21,8 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .stored import StoredSlots
+
 ATTENTION_NAME = "h2o"
 
 
@@ -162,22 +164,23 @@ def _decode_kernel(device: torch.device):
     return decode_kernel
 
 
-def fused_decode_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+def fused_decode_kernel(query: torch.Tensor, keys: StoredSlots, values: StoredSlots):
     """The ``decode_kernel`` module where its kernel computes this call, else None."""
     kernel = _decode_kernel(query.device) if query.is_cuda else None
-    return kernel if kernel is not None and kernel.usable(query, key, value) else None
+    return kernel if kernel is not None and kernel.usable(query, keys, values) else None
 
 
-def scored_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor,
+def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
                   mask: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per row over its first ``lengths[row]`` slots (``mask``, the same as
     a boolean ``(rows, 1, 1, slots)``): the output and the float32 mass each slot
     received ``(rows, kv_heads, slots)``, summed over the query heads of its KV head. One
-    fused kernel on a GPU (``decode_kernel``), else ``scored_attention``."""
-    kernel = fused_decode_kernel(query, key, value)
+    fused kernel on a GPU, reading the stored slots (codes included) in place
+    (``decode_kernel``), else ``scored_attention`` over what ``StoredSlots.read`` gives."""
+    kernel = fused_decode_kernel(query, keys, values)
     if kernel is not None:
-        return kernel.scored_decode(query, key, value, lengths, scaling)
-    output, probabilities = scored_attention(query, key, value, mask, scaling)
+        return kernel.scored_decode(query, keys, values, lengths, scaling)
+    output, probabilities = scored_attention(query, keys.read(query.dtype), values.read(query.dtype), mask, scaling)
     return output, probabilities.sum(dim=(2, 3))
 
 

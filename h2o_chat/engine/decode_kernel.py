@@ -9,7 +9,11 @@ speed), against 0.45 ms here. Imported only where Triton is (``attention.py`` as
 Per (row, KV head) one program walks the row's live slots in blocks with an online
 softmax (the running maximum and sum of each query head of the group), accumulating
 the output, and writes the raw logits aside; a second kernel turns those into the
-probabilities' column sums with the final maxima and sums.
+probabilities' column sums with the final maxima and sums. Slots are read as
+``StoredSlots`` holds them: floats, or 8- and 4-bit codes decoded in registers (eagerly,
+dequantizing a layer's 8-bit keys of 512 rows into a copy took 2.2 ms on the H200,
+compiled 0.22 ms, and the copy was then read again), then the exact window's ring and
+the row's new token written over their slots.
 """
 
 from __future__ import annotations
@@ -18,16 +22,56 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import make_codec
+from .stored import StoredSlots
+from .window import window_name
+
 # Slots per block. ``tl.dot`` takes at least 16 rows: a group's query heads are padded to it.
 BLOCK = 64
 MIN_ROWS = 16
 
 
 @triton.jit
-def _attend(query, keys, values, lengths, out, logits, lse,
-            q_row, q_head, q_group, k_row, k_head, k_slot, v_row, v_head, v_slot,
+def _read(data, scale, minimum, ring, new, entry, slot, held, newest, dim, d_slot, s_slot, r_entry,
+          BITS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, RING: tl.constexpr, NEW: tl.constexpr):
+    """A block of slots of one (row, KV head), as ``StoredSlots.read`` gives them; the
+    pointers are already at the row and head. Floats come as stored; anything decoded or
+    written over comes in float32 (the caller casts, as the reference casts its copy)."""
+    if BITS == 0:
+        x = tl.load(data + slot[:, None] * d_slot + dim[None, :], mask=held[:, None], other=0.0)
+    else:
+        if BITS == 8:
+            code = tl.load(data + slot[:, None] * d_slot + dim[None, :], mask=held[:, None], other=0)
+        else:  # byte j: channel j in its low nibble, channel j + DIM/2 in its high one
+            byte = dim % (DIM // 2)
+            shift = (dim // (DIM // 2)) * 4
+            code = (tl.load(data + slot[:, None] * d_slot + byte[None, :], mask=held[:, None], other=0)
+                    >> shift[None, :].to(tl.uint8)) & 15
+        group = dim // GROUP
+        step = tl.load(scale + slot[:, None] * s_slot + group[None, :], mask=held[:, None], other=0.0)
+        low = tl.load(minimum + slot[:, None] * s_slot + group[None, :], mask=held[:, None], other=0.0)
+        x = code.to(tl.float32) * step.to(tl.float32) + low.to(tl.float32)
+    if RING:
+        from_ring = held & (entry >= 0)
+        exact = tl.load(ring + entry[:, None] * r_entry + dim[None, :], mask=from_ring[:, None], other=0.0)
+        x = tl.where(from_ring[:, None], exact.to(tl.float32), x.to(tl.float32))
+    if NEW:
+        given = tl.load(new + dim)
+        x = tl.where((slot == newest)[:, None], given[None, :].to(tl.float32), x.to(tl.float32))
+    return x
+
+
+@triton.jit
+def _attend(query, lengths, slot_entry, out, logits, lse,
+            k_data, k_scale, k_min, k_ring, k_new, v_data, v_scale, v_min, v_ring, v_new,
+            q_row, q_head, q_group, e_row, e_head,
+            kd_row, kd_head, kd_slot, ks_row, ks_head, ks_slot, kr_row, kr_head, kr_entry, kn_row, kn_head,
+            vd_row, vd_head, vd_slot, vs_row, vs_head, vs_slot, vr_row, vr_head, vr_entry, vn_row, vn_head,
             o_row, o_head, o_group, l_row, l_head, l_group, scaling,
-            GROUPS: tl.constexpr, PADDED: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+            K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_RING: tl.constexpr, K_NEW: tl.constexpr,
+            V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_RING: tl.constexpr, V_NEW: tl.constexpr,
+            ENTRIES: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, DIM: tl.constexpr,
+            BLOCK: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     live = tl.load(lengths + row)
@@ -36,14 +80,28 @@ def _attend(query, keys, values, lengths, out, logits, lse,
     in_group = group < GROUPS
     q = tl.load(query + row * q_row + head * q_head + group[:, None] * q_group + dim[None, :],
                 mask=in_group[:, None], other=0.0)
+    # Each quantity's pointers at this row and head.
+    k_data += row * kd_row + head * kd_head
+    k_scale += row * ks_row + head * ks_head
+    k_min += row * ks_row + head * ks_head
+    k_ring += row * kr_row + head * kr_head
+    k_new += row * kn_row + head * kn_head
+    v_data += row * vd_row + head * vd_head
+    v_scale += row * vs_row + head * vs_head
+    v_min += row * vs_row + head * vs_head
+    v_ring += row * vr_row + head * vr_head
+    v_new += row * vn_row + head * vn_head
     top = tl.full([PADDED], float("-inf"), tl.float32)
     total = tl.zeros([PADDED], tl.float32)
     acc = tl.zeros([PADDED, DIM], tl.float32)
     for start in range(0, live, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         held = slot < live
-        k = tl.load(keys + row * k_row + head * k_head + slot[:, None] * k_slot + dim[None, :],
-                    mask=held[:, None], other=0.0)
+        entry = slot  # unused without a ring
+        if ENTRIES:
+            entry = tl.load(slot_entry + row * e_row + head * e_head + slot, mask=held, other=-1)
+        k = _read(k_data, k_scale, k_min, k_ring, k_new, entry, slot, held, live - 1, dim, kd_slot, ks_slot,
+                  kr_entry, K_BITS, K_GROUP, DIM, K_RING, K_NEW).to(q.dtype)
         x = tl.dot(q, tl.trans(k)) * scaling
         x = tl.where(held[None, :], x, float("-inf"))
         tl.store(logits + row * l_row + head * l_head + group[:, None] * l_group + slot[None, :], x,
@@ -52,9 +110,9 @@ def _attend(query, keys, values, lengths, out, logits, lse,
         kept = tl.exp(top - new_top)
         p = tl.exp(x - new_top[:, None])
         total = total * kept + tl.sum(p, 1)
-        v = tl.load(values + row * v_row + head * v_head + slot[:, None] * v_slot + dim[None, :],
-                    mask=held[:, None], other=0.0)
-        acc = acc * kept[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _read(v_data, v_scale, v_min, v_ring, v_new, entry, slot, held, live - 1, dim, vd_slot, vs_slot,
+                  vr_entry, V_BITS, V_GROUP, DIM, V_RING, V_NEW).to(q.dtype)
+        acc = acc * kept[:, None] + tl.dot(p.to(q.dtype), v)
         top = new_top
     # A row with no live slot (a padding row) reads nothing: zeros, and no mass below.
     total = tl.where(total == 0.0, 1.0, total)
@@ -81,45 +139,91 @@ def _received(logits, lse, lengths, received, l_row, l_head, l_group, r_row, r_h
 
 
 def probe(device: torch.device) -> None:
-    """Build and run the kernels once on ``device``: raises where Triton cannot build
-    them there (it compiles a launcher with the system's C compiler, which a slim image
-    may lack)."""
+    """Build and run the kernels once on ``device``, reading floats and reading codes
+    (8-bit keys, 4-bit values, a ring, a new token: every branch of ``_read``): raises
+    where Triton cannot build them there (it compiles a launcher with the system's C
+    compiler, which a slim image may lack)."""
+    lengths = torch.ones(1, dtype=torch.int32, device=device)
     one = torch.zeros((1, 1, 1, MIN_ROWS), dtype=torch.bfloat16, device=device)
-    scored_decode(one, one, one, torch.ones(1, dtype=torch.int32, device=device), 1.0)
+    scored_decode(one, StoredSlots.plain(one), StoredSlots.plain(one), lengths, 1.0)
+    query, at = torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device), (0, slice(None), 0)
+    coded = []
+    for bits, name in ((8, "keys"), (4, "values")):
+        codec = make_codec(bits)
+        buffers = codec.empty(name, (1, 1, 1), 32, device, torch.bfloat16) | {
+            window_name(name): torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device)}
+        coded.append(StoredSlots(codec, buffers, name, torch.zeros((1, 1, 1), dtype=torch.long, device=device),
+                                 query[:, :, 0], at))
+    scored_decode(query, *coded, lengths, 1.0)
     torch.cuda.synchronize(device)
 
 
-def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+def usable(query: torch.Tensor, keys: StoredSlots, values: StoredSlots) -> bool:
     """Whether the kernel computes this call: half precision on CUDA, one query token, a
-    power-of-two head dimension (Triton's block shapes), channels contiguous."""
+    power-of-two head dimension (Triton's block shapes), channels contiguous, floats
+    stored in the query's dtype or 8- and 4-bit codes, no rotation when read."""
     dim = query.shape[-1]
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
-            and query.shape[2] == 1 and dim >= 16 and dim & (dim - 1) == 0 and key.stride(-1) == 1
-            and value.dtype == query.dtype and value.stride(-1) == 1)
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[2] == 1
+            and dim >= 16 and dim & (dim - 1) == 0
+            and all(_readable(stored, query.dtype) for stored in (keys, values)))
 
 
-def scored_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor,
+def _readable(stored: StoredSlots, dtype: torch.dtype) -> bool:
+    data = stored.data
+    return (stored.rotation is None and data.stride(-1) == 1 and (stored.bits or data.dtype == dtype)
+            and (not stored.bits or stored.scale.stride() == stored.minimum.stride()))
+
+
+def _operand(stored: StoredSlots, like: torch.Tensor) -> tuple[list, list, dict]:
+    """One quantity's pointers, strides and constants for ``_attend``; a tensor that is
+    absent is stood in for by ``like`` (never read)."""
+    data, scale, ring, new = stored.data, stored.scale, stored.ring, stored.new
+    pointers = [data, like if scale is None else scale, like if scale is None else stored.minimum,
+                like if ring is None else ring, like if new is None else new]
+    strides = [*data.stride()[:3], *(scale.stride()[:3] if scale is not None else (0, 0, 0)),
+               *(ring.stride()[:3] if ring is not None else (0, 0, 0)), *(new.stride()[:2] if new is not None else (0, 0))]
+    constants = {"BITS": stored.bits, "GROUP": stored.group, "RING": ring is not None, "NEW": new is not None}
+    return pointers, strides, constants
+
+
+def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``query`` ``(rows, q_heads, 1, dim)`` over ``key``/``value`` ``(rows, kv_heads,
-    slots, dim)`` of which each row's first ``lengths[row]`` are live: the output
-    ``(rows, 1, q_heads, dim)`` and the float32 mass each slot received ``(rows, kv_heads,
-    slots)``, summed over the group's query heads (zero past a row's live slots)."""
+    """``query`` ``(rows, q_heads, 1, dim)`` over ``keys``/``values`` ``(rows, kv_heads,
+    slots, ...)`` of which each row's first ``lengths[row]`` are live, read as
+    ``StoredSlots.read`` gives them (the new token at slot ``lengths[row] - 1``): the
+    output ``(rows, 1, q_heads, dim)`` and the float32 mass each slot received ``(rows,
+    kv_heads, slots)``, summed over the group's query heads (zero past a row's live slots)."""
     rows, q_heads, _, dim = query.shape
-    kv_heads, slots = key.shape[1], key.shape[2]
+    kv_heads, slots = keys.data.shape[1], keys.slots
     groups = q_heads // kv_heads
     padded = max(MIN_ROWS, triton.next_power_of_2(groups))
     grouped = query.reshape(rows, kv_heads, groups, dim)
     lengths = lengths.to(torch.int32)
+    entries = keys.entries if keys.entries is not None else values.entries
+    slot_entry = lengths if entries is None else ring_entries(entries, slots)
     out = torch.empty((rows, kv_heads, groups, dim), dtype=torch.float32, device=query.device)
     logits = torch.empty((rows, kv_heads, groups, slots), dtype=torch.float32, device=query.device)
     lse = torch.empty((rows, kv_heads, groups), dtype=torch.float32, device=query.device)
-    _attend[(rows, kv_heads)](grouped, key, value, lengths, out, logits, lse,
-                              *grouped.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-                              *out.stride()[:3], *logits.stride()[:3], scaling,
-                              GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK)
+    k_pointers, k_strides, k_constants = _operand(keys, query)
+    v_pointers, v_strides, v_constants = _operand(values, query)
+    _attend[(rows, kv_heads)](grouped, lengths, slot_entry, out, logits, lse, *k_pointers, *v_pointers,
+                              *grouped.stride()[:3], *(slot_entry.stride()[:2] if entries is not None else (0, 0)),
+                              *k_strides, *v_strides, *out.stride()[:3], *logits.stride()[:3], scaling,
+                              **{f"K_{name}": value for name, value in k_constants.items()},
+                              **{f"V_{name}": value for name, value in v_constants.items()},
+                              ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK)
     received = torch.empty((rows, kv_heads, slots), dtype=torch.float32, device=query.device)
     _received[(rows, kv_heads, triton.cdiv(slots, BLOCK))](logits, lse, lengths, received,
                                                            *logits.stride()[:3], *received.stride()[:2], slots,
                                                            GROUPS=groups, PADDED=padded, BLOCK=BLOCK)
     output = out.view(rows, q_heads, 1, dim).transpose(1, 2).to(query.dtype)
     return output, received
+
+
+def ring_entries(entries: torch.Tensor, slots: int) -> torch.Tensor:
+    """Per slot the ring entry holding its token, -1 for none, ``(rows, kv_heads, slots)``
+    int32, from ``entries`` (per entry its slot, ``window.entry_slots``). Entries whose
+    token is gone all name the newest slot, which reads the new token anyway."""
+    index = torch.arange(entries.shape[-1], dtype=torch.int32, device=entries.device)
+    found = torch.full((*entries.shape[:-1], slots), -1, dtype=torch.int32, device=entries.device)
+    return found.scatter_(-1, entries, index.expand(entries.shape))

@@ -39,7 +39,8 @@ from .layer import write_bookkeeping
 from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
-from .window import as_ring, entry_slots, read_slots, slot_buffers, window_name
+from .stored import StoredSlots
+from .window import as_ring, entry_slots, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -281,16 +282,13 @@ class _Rows:
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
         entries = None if self.entries is None else self.entries[layer]
-        keys = read_slots(seg.storage.keys, buffers, "keys", query.dtype, entries)
-        if seg.rope is not None and not seg.rotates_in_place:
-            keys = seg.rope.shift(keys, buffers["rotated_at"])
-        values = read_slots(seg.storage.values, buffers, "values", query.dtype, entries)
-        # The new tokens as the model gave them, in the copies read from what is stored.
-        for name, read in (("keys", keys), ("values", values)):
-            if self.new[name]:
-                read[self.at] = self.new[name][layer]
+        rotation = (seg.rope, buffers["rotated_at"]) if seg.rope is not None and not seg.rotates_in_place else None
+        # The new tokens as the model gave them, over what is stored in their slots.
+        keys, values = (StoredSlots(codec, buffers, name, entries, self.new[name][layer] if self.new[name] else None,
+                                    self.at, rotation if name == "keys" else None)
+                        for name, codec in (("keys", seg.storage.keys), ("values", seg.storage.values)))
         if not seg.scored:
-            return sdpa_attention(query, keys, values, self.visible, scaling)
+            return sdpa_attention(query, keys.read(query.dtype), values.read(query.dtype), self.visible, scaling)
         output, received = scored_decode(query, keys, values, self.lengths, self.visible, scaling)
         if seg.turns:  # slots of closed turns keep their final scores
             received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
