@@ -57,16 +57,21 @@ for key_bits, value_bits, windowed in ((None, None, False), (8, 4, True), (4, 8,
     keys, values = stored(key_bits, "keys", windowed), stored(value_bits, "values", windowed)
     query = torch.randn(rows, kv_heads * groups, 1, dim, dtype=torch.float16)
     live = torch.arange(slots) < lengths[:, None]
-    output, received = decode_kernel.scored_decode(query, keys, values, lengths, dim ** -0.5)
+    # Scores as a pool's views; a turns row counts only some slots.
+    scores = torch.rand(rows, kv_heads, slots + 7)[:, :, :slots]
+    before = scores.clone()
+    counted = torch.rand(rows, kv_heads, slots) < 0.7 if windowed else None
+    output = decode_kernel.scored_decode(query, keys, values, lengths, dim ** -0.5, scores, counted)
     want, probabilities = scored_attention(query.float(), keys.read(torch.float16).float(),
                                            values.read(torch.float16).float(), live[:, None, None, :], dim ** -0.5)
-    mass = probabilities.sum(dim=(2, 3))
+    received = scores - before
+    mass = probabilities.sum(dim=(2, 3)) * (1 if counted is None else counted)
     assert output.shape == (rows, 1, kv_heads * groups, dim) and output.dtype == torch.float16
-    assert received.shape == (rows, kv_heads, slots) and received.dtype == torch.float32
     torch.testing.assert_close(output[:4].float(), want[:4], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(received, torch.where(live[:, None, :], mass, 0.0), atol=1e-5, rtol=1e-5)
     assert not output[4].any() and not received[4].any()
-    torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
+    if counted is None:
+        torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
     print("same", key_bits, value_bits, windowed)
 """
 

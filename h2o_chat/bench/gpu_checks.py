@@ -306,8 +306,9 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
     gaps, fused = {}, True
     for key_bits, value_bits in ((None, None), (8, 4)):
         keys, values, query = stored(key_bits, "keys"), stored(value_bits, "values"), draw(rows, heads, 1, dim)
+        received = torch.zeros((rows, kv_heads, slots), dtype=torch.float32, device=device)
         with torch.inference_mode():
-            output, received = scored_decode(query, keys, values, live, mask, dim ** -0.5)
+            output = scored_decode(query, keys, values, live, mask, dim ** -0.5, received)
             want, probabilities = scored_attention(query.float(), keys.read(model.dtype).float(),
                                                    values.read(model.dtype).float(), mask, dim ** -0.5)
         label = "float" if key_bits is None else f"K{key_bits}/V{value_bits} +{ring} exact"

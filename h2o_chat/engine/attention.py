@@ -171,17 +171,21 @@ def fused_decode_kernel(query: torch.Tensor, keys: StoredSlots, values: StoredSl
 
 
 def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
-                  mask: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor, scaling: float, scores: torch.Tensor,
+                  counted: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per row over its first ``lengths[row]`` slots (``mask``, the same as
-    a boolean ``(rows, 1, 1, slots)``): the output and the float32 mass each slot
-    received ``(rows, kv_heads, slots)``, summed over the query heads of its KV head. One
-    fused kernel on a GPU, reading the stored slots (codes included) in place
-    (``decode_kernel``), else ``scored_attention`` over what ``StoredSlots.read`` gives."""
+    a boolean ``(rows, 1, 1, slots)``): the output; the mass each slot received, summed
+    over the query heads of its KV head, is added to ``scores`` ``(rows, kv_heads,
+    slots)`` float32 where ``counted`` (None: everywhere). One fused kernel on a GPU,
+    reading the stored slots (codes included) in place (``decode_kernel``), else
+    ``scored_attention`` over what ``StoredSlots.read`` gives."""
     kernel = fused_decode_kernel(query, keys, values)
     if kernel is not None:
-        return kernel.scored_decode(query, keys, values, lengths, scaling)
+        return kernel.scored_decode(query, keys, values, lengths, scaling, scores, counted)
     output, probabilities = scored_attention(query, keys.read(query.dtype), values.read(query.dtype), mask, scaling)
-    return output, probabilities.sum(dim=(2, 3))
+    received = probabilities.sum(dim=(2, 3))
+    scores.add_(received if counted is None else received * counted)
+    return output
 
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -9,7 +9,8 @@ speed), against 0.45 ms here. Imported only where Triton is (``attention.py`` as
 Per (row, KV head) one program walks the row's live slots in blocks with an online
 softmax (the running maximum and sum of each query head of the group), accumulating
 the output, and writes the raw logits aside; a second kernel turns those into the
-probabilities' column sums with the final maxima and sums. Slots are read as
+probabilities' column sums with the final maxima and sums and adds them to the slots'
+scores (a pass and a kernel fewer per layer than returning them). Slots are read as
 ``StoredSlots`` holds them: floats, or 8- and 4-bit codes decoded in registers (eagerly,
 dequantizing a layer's 8-bit keys of 512 rows into a copy took 2.2 ms on the H200,
 compiled 0.22 ms, and the copy was then read again), then the exact window's ring and
@@ -116,14 +117,15 @@ def _attend(query, lengths, slot_entry, out, logits, lse,
         top = new_top
     # A row with no live slot (a padding row) reads nothing: zeros, and no mass below.
     total = tl.where(total == 0.0, 1.0, total)
-    tl.store(out + row * o_row + head * o_head + group[:, None] * o_group + dim[None, :], acc / total[:, None],
-             mask=in_group[:, None])
+    tl.store(out + row * o_row + head * o_head + group[:, None] * o_group + dim[None, :],
+             (acc / total[:, None]).to(out.dtype.element_ty), mask=in_group[:, None])
     tl.store(lse + (row * tl.num_programs(1) + head) * GROUPS + group, top + tl.log(total), mask=in_group)
 
 
 @triton.jit
-def _received(logits, lse, lengths, received, l_row, l_head, l_group, r_row, r_head, slots,
-              GROUPS: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr):
+def _add_received(logits, lse, lengths, scores, counted, l_row, l_head, l_group, s_row, s_head, s_slot,
+                  c_row, c_head, GROUPS: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
+                  COUNTED: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -135,7 +137,11 @@ def _received(logits, lse, lengths, received, l_row, l_head, l_group, r_row, r_h
     x = tl.load(logits + row * l_row + head * l_head + group[:, None] * l_group + slot[None, :],
                 mask=in_group[:, None] & held[None, :], other=float("-inf"))
     mass = tl.sum(tl.exp(x - norm[:, None]), 0)
-    tl.store(received + row * r_row + head * r_head + slot, tl.where(held, mass, 0.0), mask=slot < slots)
+    if COUNTED:
+        mass = tl.where(tl.load(counted + row * c_row + head * c_head + slot, mask=held, other=0) != 0, mass, 0.0)
+    # Each slot is one program's: no other adds to it.
+    at = scores + row * s_row + head * s_head + slot * s_slot
+    tl.store(at, tl.load(at, mask=held, other=0.0) + mass, mask=held)
 
 
 def probe(device: torch.device) -> None:
@@ -143,9 +149,11 @@ def probe(device: torch.device) -> None:
     (8-bit keys, 4-bit values, a ring, a new token: every branch of ``_read``): raises
     where Triton cannot build them there (it compiles a launcher with the system's C
     compiler, which a slim image may lack)."""
-    lengths = torch.ones(1, dtype=torch.int32, device=device)
+    lengths = torch.ones(1, dtype=torch.long, device=device)
+    scores = torch.zeros((1, 1, 1), dtype=torch.float32, device=device)
     one = torch.zeros((1, 1, 1, MIN_ROWS), dtype=torch.bfloat16, device=device)
-    scored_decode(one, StoredSlots.plain(one), StoredSlots.plain(one), lengths, 1.0)
+    scored_decode(one, StoredSlots.plain(one), StoredSlots.plain(one), lengths, 1.0, scores,
+                  torch.ones((1, 1, 1), dtype=torch.bool, device=device))
     query, at = torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device), (0, slice(None), 0)
     coded = []
     for bits, name in ((8, "keys"), (4, "values")):
@@ -154,7 +162,7 @@ def probe(device: torch.device) -> None:
             window_name(name): torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device)}
         coded.append(StoredSlots(codec, buffers, name, torch.zeros((1, 1, 1), dtype=torch.long, device=device),
                                  query[:, :, 0], at))
-    scored_decode(query, *coded, lengths, 1.0)
+    scored_decode(query, *coded, lengths, 1.0, scores)
     torch.cuda.synchronize(device)
 
 
@@ -187,21 +195,22 @@ def _operand(stored: StoredSlots, like: torch.Tensor) -> tuple[list, list, dict]
 
 
 def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling: float, scores: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
     """``query`` ``(rows, q_heads, 1, dim)`` over ``keys``/``values`` ``(rows, kv_heads,
     slots, ...)`` of which each row's first ``lengths[row]`` are live, read as
     ``StoredSlots.read`` gives them (the new token at slot ``lengths[row] - 1``): the
-    output ``(rows, 1, q_heads, dim)`` and the float32 mass each slot received ``(rows,
-    kv_heads, slots)``, summed over the group's query heads (zero past a row's live slots)."""
+    output ``(rows, 1, q_heads, dim)`` in the query's dtype. The mass each live slot
+    received, summed over its group's query heads, is added to ``scores`` ``(rows,
+    kv_heads, slots)`` float32 where ``counted`` (a boolean of that shape; None: every slot)."""
     rows, q_heads, _, dim = query.shape
     kv_heads, slots = keys.data.shape[1], keys.slots
     groups = q_heads // kv_heads
     padded = max(MIN_ROWS, triton.next_power_of_2(groups))
     grouped = query.reshape(rows, kv_heads, groups, dim)
-    lengths = lengths.to(torch.int32)
     entries = keys.entries if keys.entries is not None else values.entries
     slot_entry = lengths if entries is None else ring_entries(entries, slots)
-    out = torch.empty((rows, kv_heads, groups, dim), dtype=torch.float32, device=query.device)
+    # Written in the query's dtype, laid out as the model's (rows, 1, q_heads, dim).
+    out = torch.empty((rows, kv_heads, groups, dim), dtype=query.dtype, device=query.device)
     logits = torch.empty((rows, kv_heads, groups, slots), dtype=torch.float32, device=query.device)
     lse = torch.empty((rows, kv_heads, groups), dtype=torch.float32, device=query.device)
     k_pointers, k_strides, k_constants = _operand(keys, query)
@@ -212,12 +221,11 @@ def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, l
                               **{f"K_{name}": value for name, value in k_constants.items()},
                               **{f"V_{name}": value for name, value in v_constants.items()},
                               ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK)
-    received = torch.empty((rows, kv_heads, slots), dtype=torch.float32, device=query.device)
-    _received[(rows, kv_heads, triton.cdiv(slots, BLOCK))](logits, lse, lengths, received,
-                                                           *logits.stride()[:3], *received.stride()[:2], slots,
-                                                           GROUPS=groups, PADDED=padded, BLOCK=BLOCK)
-    output = out.view(rows, q_heads, 1, dim).transpose(1, 2).to(query.dtype)
-    return output, received
+    _add_received[(rows, kv_heads, triton.cdiv(slots, BLOCK))](
+        logits, lse, lengths, scores, scores if counted is None else counted, *logits.stride()[:3],
+        *scores.stride(), *(counted.stride()[:2] if counted is not None else (0, 0)),
+        GROUPS=groups, PADDED=padded, BLOCK=BLOCK, COUNTED=counted is not None)
+    return out.view(rows, q_heads, 1, dim).transpose(1, 2)
 
 
 def ring_entries(entries: torch.Tensor, slots: int) -> torch.Tensor:

@@ -289,11 +289,9 @@ class _Rows:
                         for name, codec in (("keys", seg.storage.keys), ("values", seg.storage.values)))
         if not seg.scored:
             return sdpa_attention(query, keys.read(query.dtype), values.read(query.dtype), self.visible, scaling)
-        output, received = scored_decode(query, keys, values, self.lengths, self.visible, scaling)
-        if seg.turns:  # slots of closed turns keep their final scores
-            received = received * (buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1))
-        buffers["scores"].add_(received)
-        return output
+        # Slots of closed turns keep their final scores.
+        counted = buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1) if seg.turns else None
+        return scored_decode(query, keys, values, self.lengths, self.visible, scaling, buffers["scores"], counted)
 
     def store_new(self) -> None:
         """The step's new tokens kept aside, every layer's in one write per buffer."""
