@@ -73,7 +73,9 @@ def _attend(query, lengths, slot_entry, out, logits, lse,
             V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_RING: tl.constexpr, V_NEW: tl.constexpr,
             ENTRIES: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, DIM: tl.constexpr,
             BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    # 64-bit offsets: a large pool's layer passes 2**31 elements (4,096 rows of 8 KV heads
+    # of 820 slots of 128 channels).
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     live = tl.load(lengths + row)
     group = tl.arange(0, PADDED)
@@ -126,7 +128,7 @@ def _attend(query, lengths, slot_entry, out, logits, lse,
 def _add_received(logits, lse, lengths, scores, counted, l_row, l_head, l_group, s_row, s_head, s_slot,
                   c_row, c_head, GROUPS: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
                   COUNTED: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     live = tl.load(lengths + row)
