@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 from typing import Protocol
 
 import torch
@@ -21,6 +20,7 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import kernels
 from .stored import StoredSlots
 
 ATTENTION_NAME = "h2o"
@@ -146,27 +146,9 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return output.contiguous(), probs
 
 
-@functools.cache
-def _decode_kernel(device: torch.device):
-    """``decode_kernel`` where Triton is installed (CUDA builds of torch bring it) and builds
-    its kernels on ``device``, else None: then the reference path serves, after one
-    warning where building failed."""
-    try:
-        from . import decode_kernel
-    except ImportError:
-        return None
-    try:
-        decode_kernel.probe(device)
-    except Exception as err:  # whatever Triton raises where it cannot build or launch
-        warnings.warn(f"the fused decode attention cannot run on {device} ({type(err).__name__}: {err}); "
-                      "the reference attention serves instead", RuntimeWarning, stacklevel=2)
-        return None
-    return decode_kernel
-
-
 def fused_decode_kernel(query: torch.Tensor, keys: StoredSlots, values: StoredSlots):
     """The ``decode_kernel`` module where its kernel computes this call, else None."""
-    kernel = _decode_kernel(query.device) if query.is_cuda else None
+    kernel = kernels.load("decode_kernel", query.device)
     return kernel if kernel is not None and kernel.usable(query, keys, values) else None
 
 

@@ -31,6 +31,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels
 from .attention import hand_over, scored_decode, sdpa_attention
 from .batch import END, EVICTS, OPENED, PINNED, POSITION, RANKING, ROPE, SLOT, START, TOKEN, Segment, StepBatch
 from .cache import H2OCache
@@ -314,15 +315,22 @@ class _Rows:
         """Where a row is over budget, the lowest-ranked middle slot of every layer and
         KV head goes and the new slot moves into it: one pass over every layer and row."""
         seg, buffers = self.seg, slot_buffers(self.buffers)
-        positions = buffers["positions"]
+        rope = seg.rope if seg.rotates_in_place else None
+        drop_newest_into(buffers, self.lowest_slot(buffers), self.per_row(SLOT), self.per_row(EVICTS).bool(), rope)
+
+    def lowest_slot(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The slot each layer, row and KV head would drop: the rule of ``selection.py``
+        with each row's windows and ranking; one kernel on a GPU (``evict_kernel``)."""
+        seg, scores, positions = self.seg, buffers["scores"], buffers["positions"]
+        kernel = kernels.load("evict_kernel", scores.device)
+        if kernel is not None and kernel.usable(scores, positions):
+            return kernel.lowest_slot(scores, positions, buffers["pinned"], self.plan, seg.rankings, seg.turns)
         ranking = next(iter(seg.rankings)) if len(seg.rankings) == 1 else self.per_row(RANKING)
-        key = ranking_key(ranking, buffers["scores"], positions, self.per_row(POSITION) + 1, seg.rankings,
+        key = ranking_key(ranking, scores, positions, self.per_row(POSITION) + 1, seg.rankings,
                           self.per_row(OPENED) if seg.turns else 0)
         middle = middle_slots(positions, buffers["pinned"], self.per_row(START), self.per_row(END),
                               self.live[None, :, None, :])
-        rope = seg.rope if seg.rotates_in_place else None
-        drop_newest_into(buffers, lowest_slot(key, positions, middle), self.per_row(SLOT),
-                         self.per_row(EVICTS).bool(), rope)
+        return lowest_slot(key, positions, middle)
 
 
 class _StepLayer(CacheLayerMixin):
