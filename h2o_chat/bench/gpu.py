@@ -18,7 +18,9 @@ drawn at once). Per model:
 4. what a step costs (torch.profiler): kernels the GPU ran, launches the host made,
    reads of the device, GPU busy time against wall time, at one row and the most rows of
    the sweep;
-5. prefill tokens/s of a long prompt in chunks.
+5. prefill tokens/s of a long prompt in chunks;
+6. the decode step's kernels alone at ``kernel_rows`` rows against the torch path they
+   replace, the attention kernel at several launch settings (``gpu_kernels.py``).
 
 Then a small random model saved as a model folder is loaded back through ``load_model``
 with every placement the device allows, CUDA-only ones included (``device_map``,
@@ -46,7 +48,7 @@ from h2o_chat.engine.build import make_cache
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.sampling import Draw, Sampling, draw_tokens
 
-from . import gpu_checks, gpu_loading, gpu_models
+from . import gpu_checks, gpu_kernels, gpu_loading, gpu_models
 from .gpu_checks import Check, h2o_budgets, random_ids
 from .report import md_table
 from .speed import RssSampler, decode, kv_numbers, prefill, synchronize
@@ -73,6 +75,7 @@ class Plan:
     max_rows: int  # the largest batch is searched up to this many rows
     memory_mb: float | None = None  # memory for the largest batch; None: what the device has free
     share: float = 0.2  # h2o's slots as a share of the history
+    kernel_rows: int = 512  # rows of the kernels timed alone (``gpu_kernels.py``)
 
 
 PLANS = {
@@ -82,7 +85,7 @@ PLANS = {
     # A memory limit of its own keeps the tiny run's largest batches small enough to run.
     "tiny": Plan(check_context=64, check_steps=4, chunk=32, history=96, decode_tokens=4, repeats=2,
                  batches=(1, 4), bases=3, batch_steps=2, prefill_tokens=128, prefill_chunks=(32, 64),
-                 max_rows=8, memory_mb=0.5),
+                 max_rows=8, memory_mb=0.5, kernel_rows=4),
 }
 # Room kept free when projecting the largest batch: the allocator's fragmentation and
 # the CUDA context's own buffers.
@@ -409,6 +412,10 @@ def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
     result["decode"] = measure_decode(model, plan, device, freed, log)
     result["serving"], result["step_costs"], result["largest_batch"] = measure_serving(model, plan, device, freed, log)
     result["prefill"] = measure_prefill(model, plan, device, freed, log)
+    result["kernels"] = gpu_kernels.run(model, plan.kernel_rows, int(plan.history * plan.share), device)
+    for row in result["kernels"]:
+        log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
+    release(device)
     freed_check = freed.check()
     log(f"  {verdict(freed_check.passed)} {freed_check.name}: {freed_check.measured}")
     result["checks"] = [asdict(c) for c in [*checks, freed_check]]
@@ -506,6 +513,10 @@ def markdown(result: dict) -> str:
         blocks.append(md_table(["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
                                [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]]
                                 for r in m["prefill"]]))
+        blocks.append(md_table(["kernel alone (one layer; eviction: every layer)", "path", "rows", "slots", "ms",
+                                "MiB of inputs", "GB/s of inputs"],
+                               [[r["what"], r["path"], r["rows"], r["slots"], f"{r['ms']:.3f}", f"{r['held_mb']:.1f}",
+                                 f"{r['gb_s']:.0f}"] for r in m["kernels"]]))
         blocks.append("\n".join(f"- {line}" for line in ratios(m)))
     blocks.append("### Loading a saved model through load_model\n\n" + md_table(
         ["check", "result", "measured"],

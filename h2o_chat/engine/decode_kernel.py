@@ -197,7 +197,8 @@ def _operand(stored: StoredSlots, like: torch.Tensor) -> tuple[list, list, dict]
 
 
 def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
-                  scaling: float, scores: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+                  scaling: float, scores: torch.Tensor, counted: torch.Tensor | None = None,
+                  launch: dict | None = None) -> torch.Tensor:
     """``query`` ``(rows, q_heads, 1, dim)`` over ``keys``/``values`` ``(rows, kv_heads,
     slots, ...)`` of which each row's first ``lengths[row]`` are live, read as
     ``StoredSlots.read`` gives them (the new token at slot ``lengths[row] - 1``): the
@@ -222,7 +223,8 @@ def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, l
                               *k_strides, *v_strides, *out.stride()[:3], *logits.stride()[:3], scaling,
                               **{f"K_{name}": value for name, value in k_constants.items()},
                               **{f"V_{name}": value for name, value in v_constants.items()},
-                              ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK)
+                              ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK,
+                              **(launch or {}))
     _add_received[(rows, kv_heads, triton.cdiv(slots, BLOCK))](
         logits, lse, lengths, scores, scores if counted is None else counted, *logits.stride()[:3],
         *scores.stride(), *(counted.stride()[:2] if counted is not None else (0, 0)),

@@ -1,0 +1,135 @@
+"""Part of the GPU check (``gpu.py``): the decode step's kernels alone, one layer at a
+large batch, against the torch path they replace, so a run on a GPU says what each is
+worth and how its launch should be tuned.
+
+- **attention**: one layer's scored decode attention over ``rows`` rows of ``slots``
+  live slots, slots as floats and as 8-bit keys and 4-bit values (codes read by the
+  kernel; the torch path dequantizes a copy first, compiled as the engine does on CUDA),
+  the kernel at several launch settings (warps per program, pipeline stages);
+- **eviction**: the choice of the slot to drop for every layer, row and KV head at once
+  (``evict_kernel`` against ``selection``'s operations).
+
+Each row gives the median time of a call and the bytes its inputs hold per second (a
+lower bound on what was read). On a device without the kernels (the CPU) only the torch
+path runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from h2o_chat.engine import kernels
+from h2o_chat.engine.attention import scored_attention
+from h2o_chat.engine.batch import END, FIELDS, POSITION, SLOT, START
+from h2o_chat.engine.quant import make_codec
+from h2o_chat.engine.selection import RANK_SCORE, lowest_slot, middle_slots
+from h2o_chat.engine.stored import StoredSlots
+
+# The attention kernel's launch settings tried: (warps, stages); Triton's default first.
+LAUNCHES = ((4, 3), (2, 2), (4, 1), (4, 2), (8, 2), (8, 3))
+
+
+def timed(call: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``call`` after one warm-up call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            call()
+            times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def _held_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _stored(bits: int | None, name: str, rows: int, kv_heads: int, slots: int, dim: int, dtype: torch.dtype,
+            device: torch.device) -> StoredSlots:
+    x = torch.randn(rows, kv_heads, slots, dim, dtype=dtype, device=device)
+    if bits is None:
+        return StoredSlots.plain(x)
+    codec = make_codec(bits)
+    buffers = codec.empty(name, (rows, kv_heads, slots), dim, device, dtype)
+    codec.write(buffers, name, 0, slots, x)
+    return StoredSlots(codec, buffers, name)
+
+
+def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: int) -> list[dict]:
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    lengths = torch.full((rows,), slots, dtype=torch.long, device=device)
+    mask = torch.ones((rows, 1, 1, slots), dtype=torch.bool, device=device)
+    query = torch.randn(rows, heads, 1, dim, dtype=model.dtype, device=device)
+    scores = torch.zeros((rows, kv_heads, slots), dtype=torch.float32, device=device)
+    kernel = kernels.load("decode_kernel", device)
+    results = []
+    for label, key_bits, value_bits in (("float", None, None), ("K8/V4", 8, 4)):
+        keys = _stored(key_bits, "keys", rows, kv_heads, slots, dim, model.dtype, device)
+        values = _stored(value_bits, "values", rows, kv_heads, slots, dim, model.dtype, device)
+        held = _held_bytes(keys.data, keys.scale, keys.minimum, values.data, values.scale, values.minimum)
+
+        def reference() -> None:
+            probabilities = scored_attention(query, keys.read(model.dtype), values.read(model.dtype), mask,
+                                             dim ** -0.5)[1]
+            scores.add_(probabilities.sum(dim=(2, 3)))
+
+        paths = [("torch", reference)]
+        if kernel is not None and kernel.usable(query, keys, values):
+            paths += [(f"kernel, {warps} warps, {stages} stages",
+                       lambda launch=dict(num_warps=warps, num_stages=stages): kernel.scored_decode(
+                           query, keys, values, lengths, dim ** -0.5, scores, launch=launch))
+                      for warps, stages in LAUNCHES]
+        for path, call in paths:
+            ms = timed(call, device, repeats)
+            results.append({"what": f"attention, {label}", "path": path, "rows": rows, "slots": slots, "ms": ms,
+                            "held_mb": held / 2**20, "gb_s": held / ms / 1e6})
+    return results
+
+
+def eviction_rows(model, rows: int, slots: int, device: torch.device, repeats: int) -> list[dict]:
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    shape = (layers, rows, kv_heads, slots)
+    scores = torch.rand(shape, device=device)
+    positions = torch.randperm(slots, device=device).expand(shape).contiguous()
+    pinned = torch.zeros(shape, dtype=torch.bool, device=device)
+    plan = torch.zeros((rows, FIELDS), dtype=torch.long, device=device)
+    plan[:, SLOT], plan[:, POSITION], plan[:, START], plan[:, END] = slots - 1, slots - 1, 4, slots - slots // 2
+    live = torch.ones((1, rows, 1, slots), dtype=torch.bool, device=device)
+
+    def per_row(field: int) -> torch.Tensor:
+        return plan[:, field].view(1, -1, 1, 1)
+
+    def reference() -> torch.Tensor:
+        middle = middle_slots(positions, pinned, per_row(START), per_row(END), live)
+        return lowest_slot(scores, positions, middle)
+
+    paths = [("torch", reference)]
+    kernel = kernels.load("evict_kernel", device)
+    if kernel is not None and kernel.usable(scores, positions):
+        paths.append(("kernel", lambda: kernel.lowest_slot(scores, positions, pinned, plan,
+                                                           frozenset({RANK_SCORE}), False)))
+    held = _held_bytes(scores, positions, pinned)
+    return [{"what": "eviction, every layer", "path": path, "rows": rows, "slots": slots,
+             "ms": (ms := timed(call, device, repeats)), "held_mb": held / 2**20, "gb_s": held / ms / 1e6}
+            for path, call in paths]
+
+
+def run(model, rows: int, slots: int, device: torch.device, repeats: int = 10) -> list[dict]:
+    """The table's rows for ``model``'s shapes at ``rows`` rows of ``slots`` slots."""
+    with torch.inference_mode():
+        return attention_rows(model, rows, slots, device, repeats) + eviction_rows(model, rows, slots, device,
+                                                                                   repeats)
