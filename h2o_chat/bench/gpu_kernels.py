@@ -119,7 +119,7 @@ def eviction_rows(model, rows: int, slots: int, device: torch.device, repeats: i
 
     paths = [("torch", reference)]
     kernel = kernels.load("evict_kernel", device)
-    if kernel is not None and kernel.usable(scores, positions):
+    if kernel is not None and kernel.usable(scores, positions, pinned):
         paths.append(("kernel", lambda: kernel.lowest_slot(scores, positions, pinned, plan,
                                                            frozenset({RANK_SCORE}), False)))
     held = _held_bytes(scores, positions, pinned)

@@ -97,9 +97,9 @@ def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, pinned: torch.Ten
     return drop
 
 
-def usable(scores: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether the kernel computes this call: slots contiguous."""
-    return scores.is_cuda and scores.stride(-1) == 1 and positions.stride(-1) == 1
+def usable(*buffers: torch.Tensor) -> bool:
+    """Whether the kernel reads these slot buffers: on CUDA, slots contiguous."""
+    return all(buffer.is_cuda and buffer.stride(-1) == 1 for buffer in buffers)
 
 
 def probe(device: torch.device) -> None:

@@ -321,15 +321,14 @@ class _Rows:
     def lowest_slot(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         """The slot each layer, row and KV head would drop: the rule of ``selection.py``
         with each row's windows and ranking; one kernel on a GPU (``evict_kernel``)."""
-        seg, scores, positions = self.seg, buffers["scores"], buffers["positions"]
+        seg, scores, positions, pinned = self.seg, buffers["scores"], buffers["positions"], buffers["pinned"]
         kernel = kernels.load("evict_kernel", scores.device)
-        if kernel is not None and kernel.usable(scores, positions):
-            return kernel.lowest_slot(scores, positions, buffers["pinned"], self.plan, seg.rankings, seg.turns)
+        if kernel is not None and kernel.usable(scores, positions, pinned):
+            return kernel.lowest_slot(scores, positions, pinned, self.plan, seg.rankings, seg.turns)
         ranking = next(iter(seg.rankings)) if len(seg.rankings) == 1 else self.per_row(RANKING)
         key = ranking_key(ranking, scores, positions, self.per_row(POSITION) + 1, seg.rankings,
                           self.per_row(OPENED) if seg.turns else 0)
-        middle = middle_slots(positions, buffers["pinned"], self.per_row(START), self.per_row(END),
-                              self.live[None, :, None, :])
+        middle = middle_slots(positions, pinned, self.per_row(START), self.per_row(END), self.live[None, :, None, :])
         return lowest_slot(key, positions, middle)
 
 
