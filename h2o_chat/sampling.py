@@ -117,13 +117,19 @@ def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
 def _draw(top: np.ndarray, ids: np.ndarray, before: np.ndarray, top_p: float, vocab: int,
           generator: torch.Generator | None) -> int:
     """A sampled row's token from its nucleus among its most likely tokens ``top``/``ids``
-    (descending; ``before``: the mass of the more likely ones). Drawn as
-    ``torch.multinomial`` draws from the whole distribution with the nucleus kept (the
-    token maximising probability / Exp(1) noise, one noise value per token of the
-    vocabulary), so a seed gives the tokens ``_draw_from`` would."""
+    (descending; ``before``: the mass of the more likely ones): the token maximising
+    probability / Exp(1) noise. A seeded row draws noise for every token of the
+    vocabulary, as ``torch.multinomial`` over the whole distribution with the nucleus
+    kept does, so a seed gives the tokens ``_draw_from`` would; an unseeded row only for
+    its nucleus, the same distribution at a few hundred values instead of 49,152: on the
+    development machine a step's draws from the model's own distributions took 18.2 ms
+    at 16 rows and 69.6 at 64 with noise for the vocabulary, 2.5 and 8.4 without (an
+    H200 runs the whole step of 64 rows in about 4 ms)."""
     kept = before < top_p
-    noise = torch.empty(vocab).exponential_(1, generator=generator).numpy()
     candidates = ids[kept]
+    if generator is None:
+        return int(candidates[np.argmax(top[kept] / torch.empty(len(candidates)).exponential_(1).numpy())])
+    noise = torch.empty(vocab).exponential_(1, generator=generator).numpy()
     return int(candidates[np.argmax(top[kept] / noise[candidates])])
 
 

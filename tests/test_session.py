@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
-from h2o_chat.sampling import nucleus
+from h2o_chat.sampling import Draw, Sampling, draw_tokens, nucleus
 
 from .helpers import (BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward,
                       fail_next_update, h2o, record_slots_attended)
@@ -141,6 +141,20 @@ def test_nucleus_equals_sorting_the_whole_vocabulary(smollm):
             probs = torch.softmax(row.float() / temperature, dim=-1)
             for top_p in (0.5, 0.9, 0.99):
                 assert torch.equal(nucleus(probs, top_p), nucleus_by_sorting(probs.clone(), top_p))
+
+
+def test_unseeded_rows_draw_from_their_nucleus_in_proportion():
+    """An unseeded row draws among its nucleus alone, each token as often as its share
+    of the nucleus's mass (noise is drawn for the nucleus only, not the vocabulary)."""
+    probs = torch.tensor([0.5, 0.25, 0.1, 0.08, 0.07] + [0.0] * 300)  # more tokens than the candidates
+    logits = probs.clamp(min=1e-30).log().expand(8, -1)
+    draws = [Draw(Sampling(temperature=1.0, top_p=0.9))] * 8
+    torch.manual_seed(0)
+    drawn = torch.tensor([token for _ in range(500) for token in draw_tokens(logits.clone(), list(range(8)), draws)])
+    nucleus_mass = 0.93  # the first four: 0.85 of mass before the fourth is under 0.9
+    shares = torch.bincount(drawn, minlength=5)[:5] / len(drawn)
+    assert shares[4] == 0 and drawn.max() < 4
+    torch.testing.assert_close(shares[:4], probs[:4] / nucleus_mass, atol=0.03, rtol=0)
 
 
 def test_two_sessions_in_two_threads_do_not_mix(smollm):
