@@ -2,8 +2,9 @@
 
 What a row's draw needs from the device is small: its most likely token, or the few
 hundred most likely tokens with their probabilities, among which a nucleus nearly always
-lies. So the device ranks every row at once and the host reads the ranking of all rows
-in one transfer; each seeded row then draws with its own generator on the host, so a
+lies. So the device ranks every row at once; unseeded rows draw there too, every row at
+once, and the host reads their tokens with the ranking of the seeded rows in one
+transfer; each seeded row then draws with its own generator on the host, so a seeded
 row's tokens do not depend on the rows beside it. The rows whose nucleus reaches past
 those candidates (a very flat distribution, or ``top_p`` 1) read their whole
 distributions in a second transfer, all at once: two reads a step at most.
@@ -62,6 +63,10 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     _ban(logits, rows, draws)
     greedy = [i for i, draw in enumerate(draws) if draw.sampling.temperature == 0]
     sampled = [i for i, draw in enumerate(draws) if draw.sampling.temperature > 0]
+    # Of the sampled rows (as indices into ``sampled``): drawn on the device, every row at
+    # once, or on the host with the row's own generator.
+    unseeded = [j for j, i in enumerate(sampled) if draws[i].generator is None]
+    seeded = [j for j, i in enumerate(sampled) if draws[i].generator is not None]
     parts, probs = [], None
     if greedy:
         parts.append(logits[_index([rows[i] for i in greedy], logits)].argmax(dim=-1).to(torch.float64))
@@ -69,29 +74,57 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
         temperatures = torch.tensor([[draws[i].sampling.temperature] for i in sampled], device=logits.device)
         probs = torch.softmax(logits[_index([rows[i] for i in sampled], logits)].float() / temperatures, dim=-1)
         top, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
-        parts += [top.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+        if unseeded:
+            parts += _draw_unseeded(top[unseeded], ids[unseeded], [draws[sampled[j]].sampling.top_p for j in unseeded],
+                                    probs.shape[-1])
+        if seeded:
+            parts += [top[seeded].flatten().to(torch.float64), ids[seeded].flatten().to(torch.float64)]
     # One read of the device for every row (float64 holds token ids exactly).
     host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
     tokens = [0] * len(draws)
     for i, token in zip(greedy, host[: len(greedy)].long().tolist()):
         tokens[i] = token
-    if sampled:
-        top, ids = host[len(greedy) :].view(2, len(sampled), -1)
+    if not sampled:
+        return tokens
+    vocab = probs.shape[-1]
+    beyond = []  # indices into ``sampled`` of rows whose nucleus reaches past the candidates
+    chosen, within = host[len(greedy) : len(greedy) + 2 * len(unseeded)].view(2, -1).long().tolist()
+    for j, token, inside in zip(unseeded, chosen, within):
+        if inside:
+            tokens[sampled[j]] = token
+        else:
+            beyond.append(j)
+    if seeded:
+        top, ids = host[len(greedy) + 2 * len(unseeded) :].view(2, len(seeded), -1)
         top = top.float()
         # The mass of the more likely candidates, every row at once (as ``nucleus`` sums it).
         before = (top.cumsum(-1) - top).numpy()
         top, ids = top.numpy(), ids.long().numpy()
-        vocab = probs.shape[-1]
-        beyond = [j for j, i in enumerate(sampled) if not _within(before[j], draws[i].sampling.top_p, vocab)]
-        outside = set(beyond)
-        for j, i in enumerate(sampled):
-            if j not in outside:
-                tokens[i] = _draw(top[j], ids[j], before[j], draws[i].sampling.top_p, vocab, draws[i].generator)
-        if beyond:  # a second read, of every such row at once
-            whole = probs[torch.tensor(beyond, device=probs.device)].cpu()
-            for row, j in zip(whole, beyond):
-                tokens[sampled[j]] = _draw_from(row, draws[sampled[j]])
+        for k, j in enumerate(seeded):
+            draw = draws[sampled[j]]
+            if _within(before[k], draw.sampling.top_p, vocab):
+                tokens[sampled[j]] = _draw(top[k], ids[k], before[k], draw.sampling.top_p, vocab, draw.generator)
+            else:
+                beyond.append(j)
+    if beyond:  # a second read, of every such row at once
+        whole = probs[torch.tensor(beyond, device=probs.device)].cpu()
+        for row, j in zip(whole, beyond):
+            tokens[sampled[j]] = _draw_from(row, draws[sampled[j]])
     return tokens
+
+
+def _draw_unseeded(top: torch.Tensor, ids: torch.Tensor, top_p: list[float], vocab: int) -> list[torch.Tensor]:
+    """Unseeded rows' tokens drawn where their most likely tokens ``top``/``ids`` lie, every
+    row at once: the token of the nucleus maximising probability / Exp(1) noise (noise for
+    the nucleus alone: the same distribution as for the whole vocabulary). With each
+    row's token, whether its nucleus lies among the candidates (else it is drawn again
+    from the whole distribution). As float64, for the step's one read."""
+    before = top.cumsum(-1) - top  # the mass of the more likely candidates
+    limit = torch.tensor(top_p, device=top.device)[:, None]
+    within = (limit[:, 0] < 1) & ((before[:, -1] >= limit[:, 0]) | (top.shape[-1] == vocab))
+    race = torch.where(before < limit, top / torch.empty_like(top).exponential_(1), -1.0)
+    chosen = ids.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    return [chosen.to(torch.float64), within.to(torch.float64)]
 
 
 def _within(before: np.ndarray, top_p: float, vocab: int) -> bool:
@@ -115,21 +148,15 @@ def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
 
 
 def _draw(top: np.ndarray, ids: np.ndarray, before: np.ndarray, top_p: float, vocab: int,
-          generator: torch.Generator | None) -> int:
-    """A sampled row's token from its nucleus among its most likely tokens ``top``/``ids``
-    (descending; ``before``: the mass of the more likely ones): the token maximising
-    probability / Exp(1) noise. A seeded row draws noise for every token of the
-    vocabulary, as ``torch.multinomial`` over the whole distribution with the nucleus
-    kept does, so a seed gives the tokens ``_draw_from`` would; an unseeded row only for
-    its nucleus, the same distribution at a few hundred values instead of 49,152: on the
-    development machine a step's draws from the model's own distributions took 18.2 ms
-    at 16 rows and 69.6 at 64 with noise for the vocabulary, 2.5 and 8.4 without (an
-    H200 runs the whole step of 64 rows in about 4 ms)."""
+          generator: torch.Generator) -> int:
+    """A seeded row's token from its nucleus among its most likely tokens ``top``/``ids``
+    (descending; ``before``: the mass of the more likely ones). Drawn as
+    ``torch.multinomial`` draws from the whole distribution with the nucleus kept (the
+    token maximising probability / Exp(1) noise, one noise value per token of the
+    vocabulary), so a seed gives the tokens ``_draw_from`` would."""
     kept = before < top_p
-    candidates = ids[kept]
-    if generator is None:
-        return int(candidates[np.argmax(top[kept] / torch.empty(len(candidates)).exponential_(1).numpy())])
     noise = torch.empty(vocab).exponential_(1, generator=generator).numpy()
+    candidates = ids[kept]
     return int(candidates[np.argmax(top[kept] / noise[candidates])])
 
 

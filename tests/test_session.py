@@ -157,6 +157,29 @@ def test_unseeded_rows_draw_from_their_nucleus_in_proportion():
     torch.testing.assert_close(shares[:4], probs[:4] / nucleus_mass, atol=0.03, rtol=0)
 
 
+def test_seeded_rows_draw_the_same_beside_unseeded_and_flat_ones():
+    """Rows of every kind in one draw: a seeded row draws what it draws alone; an
+    unseeded flat row (its nucleus past the candidates) draws within its nucleus."""
+    generator = torch.Generator().manual_seed(1)
+    peaked, flat = torch.randn(2, 2000, generator=generator) * torch.tensor([[6.0], [0.01]])
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    logits = torch.stack([peaked, flat, peaked, flat])
+    flat_tokens = set()
+    for _ in range(20):
+        seed = int(torch.randint(0, 2**31, (1,)))
+        together = draw_tokens(logits.clone(), [0, 1, 2, 3], [
+            Draw(sampling), Draw(sampling), Draw(sampling, torch.Generator().manual_seed(seed)),
+            Draw(sampling, torch.Generator().manual_seed(seed + 1))])
+        alone = [draw_tokens(logits[row : row + 1].clone(), [0], [Draw(sampling, torch.Generator().manual_seed(s))])[0]
+                 for row, s in ((2, seed), (3, seed + 1))]
+        assert together[2:] == alone
+        for row, token in zip((peaked, flat), together[:2]):
+            assert nucleus(torch.softmax(row, dim=-1), 0.9)[token] > 0
+        flat_tokens.add(together[1])
+    # Drawn from its whole nucleus (about 1,800 tokens), not only the 256 ranked first.
+    assert flat_tokens - set(flat.topk(256).indices.tolist())
+
+
 def test_two_sessions_in_two_threads_do_not_mix(smollm):
     model, tokenizer = smollm
     questions = {"a": "What is the capital of Italy?", "b": "Give me a word that rhymes with cat."}
