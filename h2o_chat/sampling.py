@@ -75,10 +75,10 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
         probs = torch.softmax(logits[_index([rows[i] for i in sampled], logits)].float() / temperatures, dim=-1)
         top, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
         if unseeded:
-            parts += _draw_unseeded(top[unseeded], ids[unseeded], [draws[sampled[j]].sampling.top_p for j in unseeded],
-                                    probs.shape[-1])
+            parts += _draw_unseeded(_some(top, unseeded), _some(ids, unseeded),
+                                    [draws[sampled[j]].sampling.top_p for j in unseeded], probs.shape[-1])
         if seeded:
-            parts += [top[seeded].flatten().to(torch.float64), ids[seeded].flatten().to(torch.float64)]
+            parts += [_some(top, seeded).flatten().to(torch.float64), _some(ids, seeded).flatten().to(torch.float64)]
     # One read of the device for every row (float64 holds token ids exactly).
     host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
     tokens = [0] * len(draws)
@@ -88,12 +88,13 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
         return tokens
     vocab = probs.shape[-1]
     beyond = []  # indices into ``sampled`` of rows whose nucleus reaches past the candidates
-    chosen, within = host[len(greedy) : len(greedy) + 2 * len(unseeded)].view(2, -1).long().tolist()
-    for j, token, inside in zip(unseeded, chosen, within):
-        if inside:
-            tokens[sampled[j]] = token
-        else:
-            beyond.append(j)
+    if unseeded:
+        chosen, within = host[len(greedy) : len(greedy) + 2 * len(unseeded)].view(2, -1).long().tolist()
+        for j, token, inside in zip(unseeded, chosen, within):
+            if inside:
+                tokens[sampled[j]] = token
+            else:
+                beyond.append(j)
     if seeded:
         top, ids = host[len(greedy) + 2 * len(unseeded) :].view(2, len(seeded), -1)
         top = top.float()
@@ -111,6 +112,11 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
         for row, j in zip(whole, beyond):
             tokens[sampled[j]] = _draw_from(row, draws[sampled[j]])
     return tokens
+
+
+def _some(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``rows`` of ``t``, without a copy where they are all of them."""
+    return t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
 
 
 def _draw_unseeded(top: torch.Tensor, ids: torch.Tensor, top_p: list[float], vocab: int) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ tokens), decode as the scheduler decodes them: one ``DecodeStep`` for every row,
 every row's next token drawn at once with the app's sampling settings. Per precision and
 row count: tensor operations issued per step and reads of the device (torch.profiler,
 deterministic), and the median time of a step over rounds that alternate every
-precision and row count in one process.
+precision and row count in one process. Then what drawing a step's tokens costs alone,
+seeded rows against unseeded ones (the app's default).
 
 ``profile_step`` is also what the GPU check reports for the path the app runs.
 """
@@ -155,8 +156,41 @@ def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int
     for precision in PRECISIONS:
         log(f"step {precision}: " + ", ".join(f"{r['policy']} {r['rows']} rows {r['step_ms']:.1f} ms, {r['ops']} ops"
                                                for r in results if r["precision"] == precision))
+    draws = draw_costs(model, tokenizer, rows, rounds)
+    log("draws: " + ", ".join(f"{r['rows']} rows {'seeded' if r['seeded'] else 'unseeded'} {r['draw_ms']:.2f} ms"
+                              for r in draws))
     return {"rows": rows, "history": history, "slots": slots, "policies": list(policies), "results": results,
-            "targets": targets(results)}
+            "targets": targets(results), "draws": draws}
+
+
+def draw_costs(model, tokenizer, rows: list[int], rounds: int) -> list[dict]:
+    """What drawing a step's tokens costs at each row count, seeded rows (each with its
+    own generator, drawn on the host) against unseeded ones (drawn on the device at
+    once): the app's sampling from the model's own next-token distributions over the
+    book, median milliseconds over ``rounds`` that alternate them."""
+    ids = tokenizer(data.read_text(data.BOOK), add_special_tokens=False).input_ids[: max(rows) + 1]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, 1:].float()
+    settings = GenerationConfig()
+    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p)
+    runs = {}
+    for count in rows:
+        for seeded in (True, False):
+            def run(count=count, seeded=seeded) -> None:
+                draws = [Draw(sampling, torch.Generator().manual_seed(row) if seeded else None) for row in range(count)]
+                draw_tokens(logits[:count].clone(), list(range(count)), draws)
+            run()
+            runs[count, seeded] = run
+    seconds = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, run in runs.items():
+            synchronize(model.device)
+            started = time.perf_counter()
+            run()
+            synchronize(model.device)
+            seconds[key].append(time.perf_counter() - started)
+    return [{"rows": count, "seeded": seeded, "draw_ms": 1000 * statistics.median(seconds[count, seeded])}
+            for count, seeded in runs]
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -197,4 +231,10 @@ def markdown(result: dict) -> str:
     head = (f"Each row: {result['history']} tokens of its own passage of the book read (the first "
             f"{SYSTEM_TOKENS} pinned; a turns row read it as two turns), with {result['slots']} slots; the app's "
             "sampling.")
-    return "\n\n".join([head, table, "\n".join(f"- {line}" for line in result["targets"])])
+    draws = md_table(["rows", "draw", "ms a step", "ms a row"],
+                     [[r["rows"], "seeded (each on the host, its own generator)" if r["seeded"]
+                       else "unseeded (on the device, every row at once)", f"{r['draw_ms']:.2f}",
+                       f"{r['draw_ms'] / r['rows']:.3f}"] for r in result["draws"]])
+    return "\n\n".join([head, table, "\n".join(f"- {line}" for line in result["targets"]),
+                         "Drawing a step's tokens alone (the step times above include the seeded rows' draws):",
+                         draws])
