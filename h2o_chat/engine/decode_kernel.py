@@ -165,15 +165,17 @@ def probe(device: torch.device) -> None:
         coded.append(StoredSlots(codec, buffers, name, torch.zeros((1, 1, 1), dtype=torch.long, device=device),
                                  query[:, :, 0], at))
     scored_decode(query, *coded, lengths, 1.0, scores)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def usable(query: torch.Tensor, keys: StoredSlots, values: StoredSlots) -> bool:
-    """Whether the kernel computes this call: half precision on CUDA, one query token, a
-    power-of-two head dimension (Triton's block shapes), channels contiguous, floats
-    stored in the query's dtype or 8- and 4-bit codes, no rotation when read."""
+    """Whether the kernel computes this call (on a device ``kernels.load`` gave it for):
+    half precision, one query token, a power-of-two head dimension (Triton's block
+    shapes), channels contiguous, floats stored in the query's dtype or 8- and 4-bit
+    codes, no rotation when read."""
     dim = query.shape[-1]
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[2] == 1
+    return (query.dtype in (torch.float16, torch.bfloat16) and query.shape[2] == 1
             and dim >= 16 and dim & (dim - 1) == 0
             and all(_readable(stored, query.dtype) for stored in (keys, values)))
 

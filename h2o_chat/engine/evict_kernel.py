@@ -98,8 +98,9 @@ def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, pinned: torch.Ten
 
 
 def usable(*buffers: torch.Tensor) -> bool:
-    """Whether the kernel reads these slot buffers: on CUDA, slots contiguous."""
-    return all(buffer.is_cuda and buffer.stride(-1) == 1 for buffer in buffers)
+    """Whether the kernel reads these slot buffers (on a device ``kernels.load`` gave it
+    for): slots contiguous."""
+    return all(buffer.stride(-1) == 1 for buffer in buffers)
 
 
 def probe(device: torch.device) -> None:
@@ -109,4 +110,5 @@ def probe(device: torch.device) -> None:
     for rankings, turns in ((frozenset({RANK_SCORE}), False), (frozenset({RANK_SCORE, RANK_MEAN, RANK_RECENCY}), True)):
         lowest_slot(torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.long, device=device),
                     torch.zeros(shape, dtype=torch.bool, device=device), plan, rankings, turns)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
