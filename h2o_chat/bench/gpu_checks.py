@@ -38,7 +38,6 @@ from h2o_chat.engine.build import cache_for_policy, make_cache
 from h2o_chat.engine.budget import split_slots
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.quant import make_codec
 from h2o_chat.engine.slots import evict_slots
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.engine.stored import StoredSlots
@@ -293,14 +292,12 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
 
     def stored(bits: int | None, name: str) -> StoredSlots:
         # As a pool's views: a row's slots beyond its own size are spare.
+        whole = StoredSlots.encode(draw(rows, kv_heads, slots + 8, dim), bits, name)
+        buffers = {key: t[:, :, :slots] for key, t in whole.buffers.items()}
         if bits is None:
-            return StoredSlots.plain(draw(rows, kv_heads, slots + 8, dim)[:, :, :slots])
-        codec = make_codec(bits)
-        buffers = codec.empty(name, (rows, kv_heads, slots + 8), dim, device, model.dtype)
-        buffers = {key: t[:, :, :slots] for key, t in buffers.items()}
-        codec.write(buffers, name, 0, slots, draw(rows, kv_heads, slots, dim))
+            return StoredSlots(whole.codec, buffers, whole.name)
         buffers[window_name(name)] = draw(rows, kv_heads, ring, dim)
-        return StoredSlots(codec, buffers, name, entries, draw(rows, kv_heads, dim),
+        return StoredSlots(whole.codec, buffers, name, entries, draw(rows, kv_heads, dim),
                            (torch.arange(rows, device=device), slice(None), newest))
 
     gaps, fused = {}, True

@@ -25,7 +25,6 @@ import torch
 from h2o_chat.engine import kernels
 from h2o_chat.engine.attention import scored_attention
 from h2o_chat.engine.batch import END, FIELDS, POSITION, SLOT, START
-from h2o_chat.engine.quant import make_codec
 from h2o_chat.engine.selection import RANK_SCORE, lowest_slot, middle_slots
 from h2o_chat.engine.stored import StoredSlots
 
@@ -56,17 +55,6 @@ def _held_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _stored(bits: int | None, name: str, rows: int, kv_heads: int, slots: int, dim: int, dtype: torch.dtype,
-            device: torch.device) -> StoredSlots:
-    x = torch.randn(rows, kv_heads, slots, dim, dtype=dtype, device=device)
-    if bits is None:
-        return StoredSlots.plain(x)
-    codec = make_codec(bits)
-    buffers = codec.empty(name, (rows, kv_heads, slots), dim, device, dtype)
-    codec.write(buffers, name, 0, slots, x)
-    return StoredSlots(codec, buffers, name)
-
-
 def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: int) -> list[dict]:
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -78,8 +66,8 @@ def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: 
     kernel = kernels.load("decode_kernel", device)
     results = []
     for label, key_bits, value_bits in (("float", None, None), ("K8/V4", 8, 4)):
-        keys = _stored(key_bits, "keys", rows, kv_heads, slots, dim, model.dtype, device)
-        values = _stored(value_bits, "values", rows, kv_heads, slots, dim, model.dtype, device)
+        keys, values = (StoredSlots.encode(torch.randn(rows, kv_heads, slots, dim, dtype=model.dtype, device=device),
+                                           bits, name) for bits, name in ((key_bits, "keys"), (value_bits, "values")))
         held = _held_bytes(keys.data, keys.scale, keys.minimum, values.data, values.scale, values.minimum)
 
         def reference() -> None:

@@ -139,16 +139,7 @@ def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int
                 runs[precision, policy, count] = run
                 results.append({"precision": precision, "policy": policy, "rows": count}
                                | profile_step(run, device))
-    seconds = {key: [] for key in runs}
-    keys = list(runs)
-    for index in range(rounds):
-        for key in keys[index % len(keys):] + keys[: index % len(keys)]:
-            synchronize(device)
-            started = time.perf_counter()
-            for _ in range(steps):
-                runs[key]()
-            synchronize(device)
-            seconds[key].append((time.perf_counter() - started) / steps)
+    seconds = alternating(runs, rounds, steps, device)
     for result in results:
         key = (result["precision"], result["policy"], result["rows"])
         result["step_ms"] = 1000 * statistics.median(seconds[key])
@@ -161,6 +152,23 @@ def run(model, tokenizer, rows: list[int], history: int, slots: int, rounds: int
                               for r in draws))
     return {"rows": rows, "history": history, "slots": slots, "policies": list(policies), "results": results,
             "targets": targets(results), "draws": draws}
+
+
+def alternating(runs: dict, rounds: int, calls: int, device: torch.device) -> dict[object, list[float]]:
+    """Seconds a call of each of ``runs`` took, one mean of ``calls`` calls per round, in
+    ``rounds`` that alternate them all (each round starting one further along), so that
+    their ratios come from the same minutes."""
+    seconds = {key: [] for key in runs}
+    keys = list(runs)
+    for index in range(rounds):
+        for key in keys[index % len(keys):] + keys[: index % len(keys)]:
+            synchronize(device)
+            started = time.perf_counter()
+            for _ in range(calls):
+                runs[key]()
+            synchronize(device)
+            seconds[key].append((time.perf_counter() - started) / calls)
+    return seconds
 
 
 def draw_costs(model, tokenizer, rows: list[int], rounds: int) -> list[dict]:
@@ -181,14 +189,7 @@ def draw_costs(model, tokenizer, rows: list[int], rounds: int) -> list[dict]:
                 draw_tokens(logits[:count].clone(), list(range(count)), draws)
             run()
             runs[count, seeded] = run
-    seconds = {key: [] for key in runs}
-    for _ in range(rounds):
-        for key, run in runs.items():
-            synchronize(model.device)
-            started = time.perf_counter()
-            run()
-            synchronize(model.device)
-            seconds[key].append(time.perf_counter() - started)
+    seconds = alternating(runs, rounds, 1, model.device)
     return [{"rows": count, "seeded": seeded, "draw_ms": 1000 * statistics.median(seconds[count, seeded])}
             for count, seeded in runs]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import FloatCodec, GroupQuantCodec, SlotCodec
+from .quant import FloatCodec, GroupQuantCodec, SlotCodec, make_codec
 from .rope import RopeShifter
 from .window import read_slots, window_name
 
@@ -34,6 +34,17 @@ class StoredSlots:
     def plain(cls, x: torch.Tensor) -> StoredSlots:
         """Slots held as ``x`` is, nothing over them."""
         return cls(FloatCodec(None), {"slots": x}, "slots")
+
+    @classmethod
+    def encode(cls, x: torch.Tensor, bits: int | None, name: str) -> StoredSlots:
+        """``x`` ``(rows, kv_heads, slots, dim)`` stored through the codec of ``bits``
+        (None: as it is), nothing over it."""
+        if bits is None:
+            return cls.plain(x)
+        codec = make_codec(bits)
+        buffers = codec.empty(name, x.shape[:3], x.shape[-1], x.device, x.dtype)
+        codec.write(buffers, name, 0, x.shape[2], x)
+        return cls(codec, buffers, name)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The slots as attention reads them, in ``dtype`` ``(rows, kv_heads, slots, dim)``:
