@@ -47,12 +47,15 @@ with torch.inference_mode():
         cache = make_cache(model, **row)
         cache.protect(10, 14)
         cache.mark_turn(20)
-        forward_one(model, cache, torch.randint(0, 128, (1, 30 + 7 * index), generator=generator))
+        ids = torch.randint(0, 128, (1, 30 + 7 * index), generator=generator)
+        for piece in ids.split([20, ids.shape[1] - 20], dim=1):  # as the app feeds turns: none straddled
+            forward_one(model, cache, piece)
         cache.fit_for_decoding()
         caches.append(cache)
     step, logits = DecodeStep(graphs=False), []
     for _ in range(24):
         logits.append(step(model, caches, torch.randint(0, 128, (len(rows),), generator=generator).tolist()).float())
+assert caches[1].turns.opened == 20  # the turns row's first turn closed: its slots score no more
 kept = [[layer.positions.tolist() for layer in cache.stats().layers] for cache in caches]
 
 
