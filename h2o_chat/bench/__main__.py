@@ -5,7 +5,7 @@ chat (5), rolling (6: absolute vs rolled positions past the trained context), se
 many conversations at once, batched or taking turns), step (the decode step's cost as
 conversations are added), bytes (8: quality at equal memory, storage precision and
 eviction), storage (8b: designs for 4-bit slots, quantization alone), tiers (8d: evicted
-tokens kept at fewer bits), or all; peer (llama.cpp on the same GGUF file, one
+tokens kept at fewer bits), shapes (8e: per-layer and per-head budgets), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
 ``python -m h2o_chat.bench gpu [--device cpu --tiny]``, see ``bench/gpu.py``). Each comparison runs in one process on the same inputs for every policy
 and writes ``<name>.json``/``.md``/``.png`` into ``--out`` (default results/<timestamp>);
@@ -30,8 +30,8 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import (data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step, storage_designs,
-               streaming, tier_study, xsum)
+from . import (budget_shapes, data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step,
+               storage_designs, streaming, tier_study, xsum)
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the protocol.
@@ -291,6 +291,10 @@ TABLE: dict[str, Comparison] = {
         "tier_study", "8d. Evicted tokens kept at fewer bits (a tier), before one is built",
         lambda b: tier_study.run(b.model, b.tokenizer, b.args.passages, log=log),
         tier_study.plot, tier_study.markdown),
+    "shapes": _one_page(
+        "budget_shapes", "8e. Where a byte budget's slots go: per-layer and per-head budgets, before one is built",
+        lambda b: budget_shapes.run(b.model, b.tokenizer, b.args.passages, log=log),
+        budget_shapes.plot, budget_shapes.markdown),
     "peer": _one_page(
         "peer", "Peer: llama.cpp on the same GGUF file, one conversation",
         lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,

@@ -48,6 +48,16 @@ def perplexity_bars(records: list[dict], path, xlabel: str, xmin: float | None =
     plt.close(fig)
 
 
+def designs_against_full(records: list[dict]) -> list[tuple[dict, list[float]]]:
+    """Per design of a study's ``records`` besides ``full``, in order: its record over
+    every passage and its perplexity over the full cache's on WikiText-2, the book and
+    both."""
+    pooled = {(r["policy"], r["set"]): r for r in records if not r["per_passage"]}
+    labels = [label for label in dict.fromkeys(label for label, _ in pooled) if label != "full"]
+    return [(pooled[(label, "all")], [pooled[(label, s)]["ppl"] / pooled[("full", s)]["ppl"]
+                                      for s in ("wikitext2", "book", "all")]) for label in labels]
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -41,7 +41,7 @@ from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
 from .equal_bytes import plain_token_bytes
-from .report import md_table, perplexity_bars
+from .report import designs_against_full, md_table, perplexity_bars
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
 BLOCK = 32  # tokens per block of the per-channel design
@@ -183,15 +183,8 @@ def run(model, tokenizer, passages_per_source: int, stream_len: int = 1536, pref
 
 
 def markdown(result: dict) -> str:
-    pooled = {(r["policy"], r["set"]): r for r in result["records"] if not r["per_passage"]}
-    labels = list(dict.fromkeys(label for label, _ in pooled))
-    rows = []
-    for label in labels[1:]:
-        r = pooled[(label, "all")]
-        rows.append([label, r["slot_bytes"], r["exact_tokens"], r["slots_at_share"]]
-                    + [f"{pooled[(label, s)]['ppl'] / pooled[('full', s)]['ppl']:.4f}×"
-                       for s in ("wikitext2", "book", "all")]
-                    + [f"{r['top1']:.1%}", f"{r['kl']:.4f}"])
+    rows = [[r["policy"], r["slot_bytes"], r["exact_tokens"], r["slots_at_share"], *(f"{x:.4f}×" for x in ratios),
+             f"{r['top1']:.1%}", f"{r['kl']:.4f}"] for r, ratios in designs_against_full(result["records"])]
     share = f"{result['config']['share']:.0%}"
     return md_table(["design", "bytes a slot (K+V)", "exact tokens besides", f"slots at {share}",
                      "ppl vs full: wikitext2", "book", "all", "top-1 agree", "KL(full‖design)"], rows)

@@ -34,7 +34,7 @@ from h2o_chat.engine.slots import SLOT_METADATA
 
 from . import data
 from .equal_bytes import PRECISIONS, SINK, plain_token_bytes
-from .report import md_table, perplexity_bars
+from .report import designs_against_full, md_table, perplexity_bars
 from .storage_designs import round_trip
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
@@ -225,12 +225,8 @@ def run(model, tokenizer, passages_per_source: int, share: float = STUDY_SHARE, 
 
 
 def markdown(result: dict) -> str:
-    pooled = {(r["policy"], r["set"]): r for r in result["records"] if not r["per_passage"]}
-    rows = []
-    for label in list(dict.fromkeys(label for label, _ in pooled))[1:]:
-        r = pooled[(label, "all")]
-        ratios = [pooled[(label, s)]["ppl"] / pooled[("full", s)]["ppl"] for s in ("wikitext2", "book", "all")]
-        rows.append([label, r["hi"], r["lo"], *(f"{x:.3f}×" for x in ratios), f"{r['top1']:.1%}", f"{r['kl']:.4f}"])
+    rows = [[r["policy"], r["hi"], r["lo"], *(f"{x:.3f}×" for x in ratios), f"{r['top1']:.1%}", f"{r['kl']:.4f}"]
+            for r, ratios in designs_against_full(result["records"])]
     share = f"{result['config']['share']:.0%}"
     return md_table(["design", f"hi slots at {share}", "lo slots", "ppl vs full: wikitext2", "book", "all",
                      "top-1 agree", "KL(full‖design)"], rows)
