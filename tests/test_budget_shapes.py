@@ -83,7 +83,7 @@ def test_the_lowest_scored_middle_token_of_any_head_goes():
     layer.seen, layer.tier[:] = 12, HELD
     positions = torch.arange(12, dtype=torch.float32)
     layer.scores[0] = torch.stack([positions + 10, positions])  # head 1 received less everywhere
-    layer._settle(1)
+    layer.apply_rule()
     # 24 held over a budget of 16: head 1's six middle tokens (4..9) go first, then head
     # 0's two lowest; sink (0..3) and recent window (10, 11) stay in both.
     assert layer.recent == 2

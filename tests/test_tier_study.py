@@ -9,6 +9,7 @@ from h2o_chat import make_cache
 from h2o_chat.bench.equal_bytes import PRECISIONS, share_slots
 from h2o_chat.bench.streaming import reference_logprobs, stream_pass
 from h2o_chat.bench.tier_study import GONE, HELD, LO, SINK, WINDOW, Tier, TierLayer, tier_cache
+from h2o_chat.engine.attention import awaiting_attention
 from h2o_chat.engine.budget import split_slots
 
 ENGINE = dict(key_bits=4, value_bits=4, exact_window=WINDOW)
@@ -66,3 +67,16 @@ def test_the_bytes_buy_fewer_hi_slots_with_a_tier_and_lo_slots_cost_less(tiny_mo
     assert tier.slot_bytes((4, 4), 64) == 2 * (32 + 8) + 14
     assert tier.slot_bytes((3, 3), 64) == 2 * (24 + 8) + 14
     assert tier.slot_bytes((2, 2), 64, group=64) == 2 * (16 + 4) + 14
+
+
+def test_a_forward_after_the_study_attends_plainly(tiny_model):
+    """Each layer takes itself off the attention's hands once served: a forward without a
+    cache afterwards (another test in the same worker) must not reach a study's layer."""
+    torch.manual_seed(4)
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.inference_mode():
+        before = tiny_model(input_ids=ids).logits
+        stream_pass(tiny_model, tier_cache(tiny_model, Tier("t", hi=20), 1.0, 40), ids,
+                    reference_logprobs(tiny_model, ids), 4)
+        assert awaiting_attention() is None
+        assert torch.equal(tiny_model(input_ids=ids).logits, before)

@@ -103,10 +103,8 @@ class SharedHeadsLayer(TierLayer):
     """A layer whose KV heads share ``capacity`` x heads slots: over budget, the lowest-
     scored middle token of any head goes (each head keeps its sink and recent window)."""
 
-    def _settle(self, n: int) -> None:
+    def apply_rule(self) -> None:
         seen = self.seen
-        for given, read in zip(self.given, self.read):
-            read[:, :, seen - n : seen] = given[:, :, seen - n : seen].half().float()
         positions = torch.arange(seen)
         held = (self.tier[:, :, :seen] == HELD).sum((1, 2))
         budget = self.capacity * self.tier.shape[1]

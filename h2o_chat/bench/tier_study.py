@@ -144,6 +144,7 @@ class TierLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, None]:
+        hand_over(None)  # served: a later forward without this cache must not find it
         batch, q_heads, n, dim = query.shape
         heads, seen = self.tier.shape[1], self.seen
         grouped = query.reshape(batch, heads, q_heads // heads * n, dim)
@@ -162,6 +163,12 @@ class TierLayer(CacheLayerMixin):
         seen = self.seen
         for given, read in zip(self.given, self.read):
             read[:, :, seen - n : seen] = given[:, :, seen - n : seen].half().float()
+        self.apply_rule()
+
+    def apply_rule(self) -> None:
+        """Down to capacity by H2O's rule per KV head: the lowest-scored middle token leaves
+        hi (for lo, where there is a tier), and lo over its capacity drops its lowest."""
+        seen = self.seen
         positions = torch.arange(seen)
         while self.held > self.capacity:
             middle = (self.tier[:, :, :seen] == HELD) & (positions >= SINK) & (positions < seen - self.recent)
