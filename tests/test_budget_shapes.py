@@ -63,6 +63,8 @@ def test_the_uniform_shape_is_the_tier_studys_engine(tiny_model):
     uniform = stream_pass(tiny_model, shape_cache(SHAPES[0], [30, 30, 30]), ids, ref, 4)[0]
     engine = stream_pass(tiny_model, tier_cache(tiny_model, Tier("t", hi=30), 1.0, 90), ids, ref, 4)[0]
     assert torch.equal(uniform, engine)
+    quarter = next(shape for shape in SHAPES if shape.recent_share == 0.25)
+    assert [layer.recent for layer in shape_cache(quarter, [30, 31, 36]).layers] == [6, 6, 8]
 
 
 def test_heads_sharing_a_layers_slots_hold_its_budget_between_them_and_keep_their_windows(tiny_model):

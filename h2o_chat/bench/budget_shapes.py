@@ -26,7 +26,7 @@ from h2o_chat.engine.attention import ATTENTION_NAME
 from . import data
 from .report import designs_against_full, md_table, perplexity_bars
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
-from .tier_study import GONE, HELD, SINK, STREAM_LEN, STUDY_SHARE, TIERS, TierLayer
+from .tier_study import GONE, HELD, STREAM_LEN, STUDY_SHARE, TIERS, TierLayer
 
 ENGINE_TIER = TIERS[0]  # no tier: the engine's K4/V4 + 16 exact
 # Of a query's attention, how far from its position the queries that size layers by their
@@ -105,13 +105,11 @@ class SharedHeadsLayer(TierLayer):
 
     def apply_rule(self) -> None:
         seen = self.seen
-        positions = torch.arange(seen)
         held = (self.tier[:, :, :seen] == HELD).sum((1, 2))
         budget = self.capacity * self.tier.shape[1]
         rows = torch.arange(self.tier.shape[0])
         while bool((held > budget).any()):
-            middle = (self.tier[:, :, :seen] == HELD) & (positions >= SINK) & (positions < seen - self.recent)
-            lowest = torch.where(middle, self.scores[:, :, :seen], float("inf")).flatten(1).argmin(-1)
+            lowest = torch.where(self.middle(), self.scores[:, :, :seen], float("inf")).flatten(1).argmin(-1)
             over = held > budget
             head, token = lowest[over] // seen, lowest[over] % seen
             self.tier[rows[over], head, token] = GONE
@@ -122,12 +120,7 @@ class SharedHeadsLayer(TierLayer):
 def shape_cache(shape: Shape, each: list[int]) -> Cache:
     """The simulated cache of ``shape`` with ``each`` layer's slots."""
     kind = SharedHeadsLayer if shape.shared_heads else TierLayer
-    layers = []
-    for slots in each:
-        layer = kind(ENGINE_TIER, slots, 0, STREAM_LEN)
-        layer.recent = int((slots - SINK) * shape.recent_share)
-        layers.append(layer)
-    return Cache(layers=layers)
+    return Cache(layers=[kind(ENGINE_TIER, slots, 0, STREAM_LEN, shape.recent_share) for slots in each])
 
 
 def run(model, tokenizer, passages_per_source: int, share: float = STUDY_SHARE, shapes: tuple[Shape, ...] = SHAPES,

@@ -22,6 +22,7 @@ then lo slots (codes as if packed, scales, bookkeeping).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +106,10 @@ class TierLayer(CacheLayerMixin):
     """One layer of a tier design: every token as given, what the design reads of it, its
     tier and its accumulated score, ``(batch, kv_heads, length, ...)``."""
 
-    def __init__(self, tier: Tier, hi: int, lo: int, length: int) -> None:
+    def __init__(self, tier: Tier, hi: int, lo: int, length: int, recent_share: float = 0.5) -> None:
         super().__init__()
         self.capacity, self.lo_capacity, self.length = hi, lo, length
-        self.recent = (hi - SINK) // 2
+        self.recent = math.floor((hi - SINK) * recent_share)  # of the hi slots after the sink
         self.hi_codecs = tier.codecs(tier.hi_bits)
         self.lo_codecs = tier.codecs(tier.lo, tier.group) if tier.lo else None
         self.seen = self.held = self.demoted = self.rounded = 0
@@ -169,10 +170,8 @@ class TierLayer(CacheLayerMixin):
         """Down to capacity by H2O's rule per KV head: the lowest-scored middle token leaves
         hi (for lo, where there is a tier), and lo over its capacity drops its lowest."""
         seen = self.seen
-        positions = torch.arange(seen)
         while self.held > self.capacity:
-            middle = (self.tier[:, :, :seen] == HELD) & (positions >= SINK) & (positions < seen - self.recent)
-            token = self._lowest(middle)
+            token = self._lowest(self.middle())
             self.held -= 1
             if self.lo_capacity:
                 self._demote(token)
@@ -181,6 +180,12 @@ class TierLayer(CacheLayerMixin):
         while self.demoted > self.lo_capacity:
             self._drop(self._lowest(self.tier[:, :, :seen] == LO))
             self.demoted -= 1
+
+    def middle(self) -> torch.Tensor:
+        """The hi tokens the rule ranks ``(batch, kv_heads, seen)``: held, past the sink and
+        before each head's recent window."""
+        positions = torch.arange(self.seen)
+        return (self.tier[:, :, : self.seen] == HELD) & (positions >= SINK) & (positions < self.seen - self.recent)
 
     def _lowest(self, among: torch.Tensor) -> torch.Tensor:
         """Per head, the lowest-scored token ``among`` selects, ``(batch, heads, 1)``."""
