@@ -16,6 +16,8 @@ devices keep theirs too (replacing one would drop its hook).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.nn import functional as F
 
@@ -26,13 +28,19 @@ _PROBE_SCALE = 3.0
 
 class FusedRMSNorm(torch.nn.Module):
     """``weight * x / sqrt(mean(x²) + eps)`` over the last dimension, in one operation;
-    the weight is the replaced module's own parameter (shared, not copied)."""
+    the weight is the replaced module's own parameter (shared, not copied). An input of
+    another dtype than the weight's (a model that keeps its norms in float32) goes to the
+    replaced module, whose products promote where the fused operation would not."""
 
-    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+    def __init__(self, replaced: torch.nn.Module, weight: torch.nn.Parameter, eps: float) -> None:
         super().__init__()
         self.weight, self.eps = weight, eps
+        # Not a submodule: its weight is this module's, and the state dict keeps one copy.
+        self.__dict__["replaced"] = replaced
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype != self.weight.dtype:
+            return self.replaced(hidden_states)
         return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -54,14 +62,15 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
 
 def _fused_equivalent(module: torch.nn.Module) -> FusedRMSNorm | None:
     """A ``FusedRMSNorm`` that computes what ``module`` does, or None."""
-    if not type(module).__name__.endswith("RMSNorm") or hasattr(module, "_hf_hook"):
+    if (not type(module).__name__.endswith("RMSNorm") or hasattr(module, "_hf_hook")
+            or len(inspect.signature(module.forward).parameters) != 1):  # e.g. a gated norm
         return None
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.device.type == "meta"
             or not weight.is_floating_point() or not isinstance(eps, float)):
         return None
-    fused = FusedRMSNorm(weight, eps)
+    fused = FusedRMSNorm(module, weight, eps)
     generator = torch.Generator(device=weight.device).manual_seed(0)
     probe = torch.randn((_PROBE_ROWS, weight.shape[0]), generator=generator, device=weight.device,
                         dtype=torch.float32).mul_(_PROBE_SCALE).to(weight.dtype)

@@ -46,6 +46,19 @@ def test_the_fused_norm_shares_the_models_weight():
     assert isinstance(model.model.norm, FusedRMSNorm) and model.model.norm.weight is weight
 
 
+def test_an_input_of_another_dtype_than_the_weight_is_normed_as_the_model_would():
+    # Some models keep their norms in float32 under bfloat16 activations: the module's own
+    # products promote to float32, where the fused operation would give bfloat16.
+    norm = LlamaRMSNorm(64)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    holder = torch.nn.ModuleDict({"norm": norm})
+    fuse_rms_norms(holder)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = holder["norm"](x)
+    assert isinstance(holder["norm"], FusedRMSNorm) and got.dtype == torch.float32
+    assert torch.equal(got, norm(x))
+
+
 def test_a_norm_of_another_formula_keeps_its_own():
     # Gemma scales by 1 + weight: the fused operation would compute something else.
     gemma = GemmaRMSNorm(64)
