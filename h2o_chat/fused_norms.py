@@ -3,10 +3,10 @@
 On a GPU a decode step of one conversation is bound by the kernels it runs, not by the
 bytes it reads (the 1B shapes on an H200: about 800 kernels of about 3 µs each for a
 step whose weights stream in 0.6 ms; docs/benchmarks.md, "The GPU check"). transformers'
-RMS norm modules compute in six or seven elementwise kernels (a cast, the square, the
-mean, the epsilon, the reciprocal root, two products), two norms a layer;
-``torch.nn.functional.rms_norm`` is one kernel on CUDA, and on the CPU one operation
-where there were seven (each a Python call in a decode step that is bound by them).
+RMS norm modules compute in eight operations (two casts, the square, the mean, the
+epsilon, the reciprocal root, two products; in bfloat16 eight kernels), two norms a
+layer; ``torch.nn.functional.rms_norm`` is one kernel on CUDA, and on the CPU one
+operation where there were eight.
 
 A norm is replaced only where the fused operation computes what it computes, checked on
 a probe input when the model loads: a model whose norm differs (Gemma's ``1 + weight``,
