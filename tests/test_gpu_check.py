@@ -26,6 +26,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     (model,) = result["models"]
     assert model["model"] == "tiny" and model["dtype"] == "torch.bfloat16"
     assert model["fused_norms"] == 2 * 2 + 1  # the model runs as the app's would: two a layer, the final one
+    assert model["fused_attentions"] == model["fused_mlps"] == 2
     assert [c["name"] for c in model["checks"]] == CHECKS
     # The rounding is a measurement: no verdict; nor the fused kernel's, which a CPU has
     # not (its fallback is the reference itself). Every other check passed.
@@ -80,7 +81,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     page = (tmp_path / "gpu.md").read_text()
     assert "| kept positions equal the CPU rule for the same scores | pass |" in page
     assert "| rounding of bfloat16 measured | measured |" in page
-    assert ", 5 RMS norms fused" in page
+    assert ", 5 RMS norms fused, 2 attentions and 2 MLPs with stacked projections" in page
     assert "| loads and decodes: model.device cpu | pass |" in page
     assert "FAIL" not in page and "not run: they need CUDA" in page
 

@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from h2o_chat.engine.build import make_cache
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.fused_norms import FusedRMSNorm
+from h2o_chat.fused_projections import FusedAttention, FusedMLP
 from h2o_chat.sampling import Draw, Sampling, draw_tokens
 
 from . import gpu_checks, gpu_kernels, gpu_loading, gpu_models
@@ -400,10 +401,13 @@ def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
         shape = gpu_models.SHAPES[name]
         label, model = shape.label, gpu_models.build(shape, device)
     config = model.config
-    fused = sum(isinstance(module, FusedRMSNorm) for module in model.modules())
-    log(f"gpu check: {label} on {device}, {fused} norms fused")
+    fused = {kind: sum(isinstance(module, cls) for module in model.modules())
+             for kind, cls in (("norms", FusedRMSNorm), ("attentions", FusedAttention), ("mlps", FusedMLP))}
+    log(f"gpu check: {label} on {device}, fused: {fused['norms']} norms, {fused['attentions']} attentions, "
+        f"{fused['mlps']} MLPs")
     result = {"model": name, "label": label, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-              "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads, "fused_norms": fused,
+              "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+              "fused_norms": fused["norms"], "fused_attentions": fused["attentions"], "fused_mlps": fused["mlps"],
               "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None}
     checks = gpu_checks.run(model, plan.check_context, plan.check_steps, plan.chunk, device)
     # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
@@ -492,6 +496,8 @@ def markdown(result: dict) -> str:
         blocks.append(f"### {m['label']}\n\n{m['layers']} layers, {m['hidden']} hidden, {m['heads']} query heads, "
                       f"{m['kv_heads']} KV heads, {m['dtype'].removeprefix('torch.')}"
                       + (f", {m['fused_norms']} RMS norms fused" if "fused_norms" in m else "")
+                      + (f", {m['fused_attentions']} attentions and {m['fused_mlps']} MLPs with stacked projections"
+                         if "fused_attentions" in m else "")
                       + (f", {m['weights_mb']:.0f} MiB of weights" if m["weights_mb"] else ""))
         blocks.append(md_table(["check", "result", "measured"],
                                [[c["name"], verdict(c["passed"]), c["measured"]] for c in m["checks"]]))

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from h2o_chat.config import ModelConfig
 from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
 from h2o_chat.fused_norms import fuse_rms_norms
+from h2o_chat.fused_projections import fuse_projections
 from h2o_chat.loading import EMBEDDED_PACKAGE, load_model
 
 
@@ -67,12 +68,13 @@ def build(shape: LlamaShape, device: torch.device, dtype: torch.dtype = torch.bf
           seed: int = 0) -> PreTrainedModel:
     """A Llama of ``shape`` with random weights, created on ``device`` in ``dtype`` (an 8B
     model never passes through host memory), using the ``h2o`` attention and, as
-    ``load_model`` does, fused norms."""
+    ``load_model`` does, fused norms and projections."""
     register_h2o_attention()
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(shape.config(), dtype=dtype)
     fuse_rms_norms(model)
+    fuse_projections(model)
     return model.eval()
 
 

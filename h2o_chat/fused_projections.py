@@ -1,0 +1,227 @@
+"""A layer's input projections as one matrix product each, and the rotary embedding of
+queries and keys in four operations.
+
+On a GPU a decode step of one conversation is bound by the kernels it runs (see
+``fused_norms``). transformers' Llama attention runs its query, key and value
+projections as three products and rotates queries and keys apart (a negation, a
+concatenation, two products and a sum each: ten kernels a layer); its MLP runs the gate
+and up projections as two. Here each attention's three weights are one matrix, and each
+MLP's two: one product, whose output is cut into its parts by views. Each projection's
+own weight becomes a view of the stacked matrix, so the model holds its weights once and
+its state dict keeps its keys. The queries and keys of the one output are rotated
+together: ``x·cos + roll(x)·sin'``, where ``roll`` swaps the halves of each head and
+``sin'`` is the sine with its first half negated (computed once a forward and shared by
+the layers) — the same products and sums as transformers' ``rotate_half``, so the same
+bits.
+
+Only modules that are exactly what is rewritten are replaced: an attention whose forward
+is transformers' Llama code (Llama, Granite, Gemma; Mistral's and Qwen's pass a sliding
+window, Qwen3's norm its queries and keys, and keep theirs), an MLP whose forward is
+Llama's (most models'), plain ``nn.Linear`` projections (not bitsandbytes' quantized
+ones) in one dtype on one device, no accelerate hook. A probe input checked when the
+model loads confirms each replacement computes what the module computes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+from torch.nn import functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
+
+_PROBE_TOKENS = 3
+_PROBE_SCALE = 3.0
+# A stacked product may sum in another order than the separate ones (another GPU kernel
+# for the wider matrix): a few units in the last place of the dtype, relative to the
+# output's scale. A different formula is off by the output's own size.
+_PROBE_UNITS = 8
+
+
+class SignedSine(threading.local):
+    """The rotary sine with its first half negated, for the ``sin`` tensor a forward hands
+    every layer: computed by the first layer, reused by the rest. Per thread, as two
+    threads may run the model at once."""
+
+    source: torch.Tensor | None = None
+    signed: torch.Tensor | None = None
+
+    def of(self, sin: torch.Tensor) -> torch.Tensor:
+        if self.source is not sin:
+            half = sin.shape[-1] // 2
+            self.signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            self.source = sin
+        return self.signed
+
+
+class FusedAttention(torch.nn.Module):
+    """A Llama attention with its three projections as one product and its queries and
+    keys rotated at once; the replaced module serves what this does not (another dtype
+    than the weights', no rotary embedding) and is what the attention function sees."""
+
+    def __init__(self, replaced: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+                 sine: SignedSine) -> None:
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, getattr(replaced, name))  # the same modules: the state dict's keys
+        # Not persistent: the projections' own weights are views of it and are what is saved.
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+        self.head_dim = replaced.head_dim
+        self.rotated_heads = (replaced.q_proj.out_features + replaced.k_proj.out_features) // self.head_dim
+        self.query_heads = replaced.q_proj.out_features // self.head_dim
+        self.sine = sine
+        self.__dict__["replaced"] = replaced  # not a submodule: its projections are this one's
+        # The fallback the replaced forward names, from its own modeling file.
+        self.__dict__["eager"] = type(replaced).forward.__globals__["eager_attention_forward"]
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module = self.replaced
+        if (position_embeddings is None or hidden_states.dtype != self.qkv_weight.dtype
+                or position_embeddings[0].shape[-1] != self.head_dim):
+            return module(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                          past_key_values=past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        heads = F.linear(hidden_states, self.qkv_weight, self.qkv_bias).view(*input_shape, -1, self.head_dim)
+        cos, sin = position_embeddings
+        rotating = heads[..., : self.rotated_heads, :]
+        rotated = rotating * cos.unsqueeze(-2)
+        rotated += torch.roll(rotating, self.head_dim // 2, dims=-1).mul_(self.sine.of(sin).unsqueeze(-2))
+        query = rotated[..., : self.query_heads, :].transpose(1, 2)
+        key = rotated[..., self.query_heads :, :].transpose(1, 2)
+        value = heads[..., self.rotated_heads :, :].transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, module.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, self.eager)
+        output, weights = attend(module, query, key, value, attention_mask,
+                                 dropout=0.0 if not module.training else module.attention_dropout,
+                                 scaling=module.scaling, **kwargs)
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+class FusedMLP(torch.nn.Module):
+    """A gated MLP with its gate and up projections as one product."""
+
+    def __init__(self, replaced: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = replaced.gate_proj, replaced.up_proj, replaced.down_proj
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+        self.register_buffer("gate_up_bias", bias, persistent=False)
+        self.act_fn = replaced.act_fn
+        self.split = (replaced.gate_proj.out_features, replaced.up_proj.out_features)
+        self.__dict__["replaced"] = replaced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.gate_up_weight.dtype:
+            return self.replaced(x)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.split, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_projections(model: torch.nn.Module) -> tuple[int, int]:
+    """Replace every Llama attention and gated MLP of ``model`` that the fused forms
+    compute as they do; returns how many attentions and MLPs were replaced."""
+    sine = SignedSine()
+    attentions = mlps = 0
+    for parent in list(model.modules()):
+        for name, module in list(parent.named_children()):
+            if _same_forward(module, modeling_llama.LlamaAttention):
+                fused = _fused(module, ("q_proj", "k_proj", "v_proj"), _attention_probe,
+                               lambda weight, bias: FusedAttention(module, weight, bias, sine))
+                attentions += fused is not None
+            elif _same_forward(module, modeling_llama.LlamaMLP):
+                fused = _fused(module, ("gate_proj", "up_proj"), _mlp_probe,
+                               lambda weight, bias: FusedMLP(module, weight, bias))
+                mlps += fused is not None
+            else:
+                continue
+            if fused is not None:
+                setattr(parent, name, fused)
+    return attentions, mlps
+
+
+def _same_forward(module: torch.nn.Module, reference: type) -> bool:
+    """Whether ``module``'s forward is ``reference``'s code (a modeling file's copy of it
+    counts), not merely a module of the same shape."""
+    if hasattr(module, "_hf_hook"):
+        return False
+    try:
+        return inspect.getsource(type(module).forward) == inspect.getsource(reference.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _fused(module: torch.nn.Module, names: tuple[str, ...], probe, build) -> torch.nn.Module | None:
+    """The fused form of ``module`` (``build(weight, bias)``, the projections ``names``
+    stacked) when the probe shows it computes what ``module`` does, its projections'
+    weights then views of the stacked one; else None, and ``module`` untouched."""
+    linears = [getattr(module, name, None) for name in names]
+    if not all(type(linear) is torch.nn.Linear for linear in linears):  # bitsandbytes' are subclasses
+        return None
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    first = weights[0]
+    if (first.device.type == "meta" or not first.is_floating_point()
+            or any(w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1] for w in weights)
+            or any((b is None) != (biases[0] is None) for b in biases)):
+        return None
+    with torch.no_grad():
+        weight = _stacked([w.detach() for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        fused = build(weight, bias)
+        if not probe(module, fused):
+            return None
+        start = 0
+        for linear in linears:
+            rows = linear.out_features
+            linear.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+    return fused
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights one under the other, ``(sum of outputs, inputs)``, laid out as they are:
+    column-major where ``loading.own_weights_for_decoding`` made them so on a CPU."""
+    if all(w.dim() == 2 and w.shape[0] > 1 and w.stride() == (1, w.shape[0]) for w in weights):
+        return torch.cat([w.t() for w in weights], dim=1).t()
+    return torch.cat(weights, dim=0)
+
+
+def _probe_input(width: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    return torch.randn((1, tokens, width), generator=generator, device=like.device,
+                       dtype=torch.float32).mul_(_PROBE_SCALE).to(like.dtype)
+
+
+def _attention_probe(module: torch.nn.Module, fused: FusedAttention) -> bool:
+    hidden = _probe_input(module.q_proj.in_features, fused.qkv_weight, _PROBE_TOKENS)
+    generator = torch.Generator(device=hidden.device).manual_seed(1)
+    angles = torch.rand((1, _PROBE_TOKENS, module.head_dim // 2), generator=generator, device=hidden.device) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)
+    rotary = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
+    try:
+        own = module(hidden, position_embeddings=rotary, attention_mask=None)[0]
+        theirs = fused(hidden, position_embeddings=rotary, attention_mask=None)[0]
+    except Exception:  # whatever an unforeseen module raises: it keeps its own forward
+        return False
+    return _close(own, theirs)
+
+
+def _mlp_probe(module: torch.nn.Module, fused: FusedMLP) -> bool:
+    hidden = _probe_input(module.gate_proj.in_features, fused.gate_up_weight, _PROBE_TOKENS)
+    return _close(module(hidden), fused(hidden))
+
+
+def _close(own: torch.Tensor, theirs: torch.Tensor) -> bool:
+    if own.dtype != theirs.dtype or own.shape != theirs.shape:
+        return False
+    tolerance = _PROBE_UNITS * torch.finfo(own.dtype).eps
+    own, theirs = own.float(), theirs.float()
+    scale = own.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+    return bool(((own - theirs).abs().max() <= tolerance * scale).item())
