@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A float16 tiny Llama (the kernels take half precision); rows unlike in every way the
+# A float16 tiny Llama (the kernels take half precision), fused as the app loads it or not; rows unlike in every way the
 # kernels see: float, K4/V4 with an exact window, pins in the middle, a turns policy's
 # row, a mean ranking, a sink row (unscored: its attention is sdpa's, its
 # eviction the kernel's), past their budgets. The same token is fed to both runs at
@@ -29,6 +29,8 @@ from h2o_chat import make_cache
 from h2o_chat.engine import kernels
 from h2o_chat.engine.attention import ATTENTION_NAME
 from h2o_chat.engine.step import DecodeStep
+from h2o_chat.fused_norms import fuse_rms_norms
+from h2o_chat.fused_projections import fuse_projections
 from h2o_chat.scheduler import forward_one
 
 torch.manual_seed(0)
@@ -36,6 +38,8 @@ config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      attn_implementation=ATTENTION_NAME)
 model = LlamaForCausalLM(config).eval().half()
+if sys.argv[2] == "fused":  # as load_model gives it: queries cut from the stacked projection
+    assert fuse_rms_norms(model) == 7 and fuse_projections(model) == (3, 3)
 rows = [dict(policy="h2o", heavy=8, recent=6, sink=2, key_bits=4, value_bits=4, exact_window=4),
         dict(policy="turns", heavy=10, recent=4, sink=2),
         dict(policy="h2o", heavy=6, recent=8, sink=2, score_norm="mean", key_bits=4, value_bits=4),
@@ -72,19 +76,20 @@ json.dump({"logits": torch.stack(logits).tolist(), "kept": kept, "scores": score
 """
 
 
-def run(tmp_path: Path, interpret: bool) -> dict:
-    out = tmp_path / f"{interpret}.json"
+def run(tmp_path: Path, interpret: bool, form: str) -> dict:
+    out = tmp_path / f"{interpret}-{form}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | ({"TRITON_INTERPRET": "1"} if interpret else {})
-    result = subprocess.run([sys.executable, "-c", PROGRAM, str(out)], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", PROGRAM, str(out), form], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_the_step_through_its_kernels_equals_the_step_through_torch(tmp_path) -> None:
+@pytest.mark.parametrize("form", ["fused", "plain"])
+def test_the_step_through_its_kernels_equals_the_step_through_torch(tmp_path, form) -> None:
     import torch
 
-    kernels, reference = run(tmp_path, True), run(tmp_path, False)
+    kernels, reference = run(tmp_path, True, form), run(tmp_path, False, form)
     assert kernels["fused"] == [True, True] and reference["fused"] == [False, False]
     # float16 throughout: the two paths round differently (0.0014 here), by less than a
     # wrong slot moves the logits (reading the window's newest tokens from their 4-bit
