@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from h2o_chat.config import ModelConfig, check_field
 from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.engine.memory import return_freed_memory
 from h2o_chat.fused_norms import fuse_rms_norms
 from h2o_chat.fused_projections import fuse_projections
 
@@ -275,6 +276,7 @@ def load_model(
     own_weights_for_decoding(model)
     fuse_rms_norms(model)
     fuse_projections(model)
+    return_freed_memory()  # the projections' separate weights, replaced by their stacked copies
 
     # Without a pad token, generate() warns on every call and batching cannot pad.
     if tokenizer.pad_token is None:
