@@ -15,17 +15,21 @@ the layers) — the same products and sums as transformers' ``rotate_half``, so 
 bits.
 
 Only modules that are exactly what is rewritten are replaced: an attention whose forward
-is transformers' Llama code (Llama, Granite, Gemma; Mistral's and Qwen's pass a sliding
-window, Qwen3's norm its queries and keys, and keep theirs), an MLP whose forward is
-Llama's (most models'), plain ``nn.Linear`` projections (not bitsandbytes' quantized
-ones) in one dtype on one device, no accelerate hook. A probe input checked when the
-model loads confirms each replacement computes what the module computes.
+is transformers' Llama code (Llama, Granite, Gemma), or that code passing the attention
+function a sliding window (Mistral, Qwen2: passed on the same), not Qwen3's (it norms
+queries and keys); an MLP whose forward is Llama's (most models'); plain ``nn.Linear``
+projections (not bitsandbytes' quantized ones) in one dtype on one device; no
+accelerate hook. A probe input checked when the model loads confirms each replacement
+computes what the module computes.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 import threading
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
@@ -38,6 +42,15 @@ _PROBE_SCALE = 3.0
 # for the wider matrix): a few units in the last place of the dtype, relative to the
 # output's scale. A different formula is off by the output's own size.
 _PROBE_UNITS = 8
+# A forward's signature ends at the line closing its parentheses; its body follows.
+_SIGNATURE_END = re.compile(r"^\s*\)( -> .*)?:\s*$")
+# The one argument Mistral's and Qwen2's copies of Llama's attention add to the attention
+# call, and how each reads it from its module.
+_WINDOW_LINE = re.compile(r"^\s*sliding_window=(?P<expression>.+?),\s*(#.*)?$")
+_WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
+    "self.sliding_window": lambda module: module.sliding_window,
+    'getattr(self.config, "sliding_window", None)': lambda module: getattr(module.config, "sliding_window", None),
+}
 
 
 class SignedSine(threading.local):
@@ -62,7 +75,7 @@ class FusedAttention(torch.nn.Module):
     than the weights', no rotary embedding) and is what the attention function sees."""
 
     def __init__(self, replaced: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
-                 sine: SignedSine) -> None:
+                 sine: SignedSine, extras: dict) -> None:
         super().__init__()
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(self, name, getattr(replaced, name))  # the same modules: the state dict's keys
@@ -72,7 +85,7 @@ class FusedAttention(torch.nn.Module):
         self.head_dim = replaced.head_dim
         self.rotated_heads = (replaced.q_proj.out_features + replaced.k_proj.out_features) // self.head_dim
         self.query_heads = replaced.q_proj.out_features // self.head_dim
-        self.sine = sine
+        self.sine, self.extras = sine, extras  # extras: what the replaced forward adds to the attention call
         self.__dict__["replaced"] = replaced  # not a submodule: its projections are this one's
         # The fallback the replaced forward names, from its own modeling file.
         self.__dict__["eager"] = type(replaced).forward.__globals__["eager_attention_forward"]
@@ -99,7 +112,7 @@ class FusedAttention(torch.nn.Module):
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, self.eager)
         output, weights = attend(module, query, key, value, attention_mask,
                                  dropout=0.0 if not module.training else module.attention_dropout,
-                                 scaling=module.scaling, **kwargs)
+                                 scaling=module.scaling, **self.extras, **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -129,11 +142,12 @@ def fuse_projections(model: torch.nn.Module) -> tuple[int, int]:
     attentions = mlps = 0
     for parent in list(model.modules()):
         for name, module in list(parent.named_children()):
-            if _same_forward(module, modeling_llama.LlamaAttention):
+            extras = _attention_extras(module)
+            if extras is not None:
                 fused = _fused(module, ("q_proj", "k_proj", "v_proj"), _attention_probe,
-                               lambda weight, bias: FusedAttention(module, weight, bias, sine))
+                               lambda weight, bias: FusedAttention(module, weight, bias, sine, extras))
                 attentions += fused is not None
-            elif _same_forward(module, modeling_llama.LlamaMLP):
+            elif _source(module) == _llama_sources()[1]:
                 fused = _fused(module, ("gate_proj", "up_proj"), _mlp_probe,
                                lambda weight, bias: FusedMLP(module, weight, bias))
                 mlps += fused is not None
@@ -144,15 +158,45 @@ def fuse_projections(model: torch.nn.Module) -> tuple[int, int]:
     return attentions, mlps
 
 
-def _same_forward(module: torch.nn.Module, reference: type) -> bool:
-    """Whether ``module``'s forward is ``reference``'s code (a modeling file's copy of it
-    counts), not merely a module of the same shape."""
+@functools.cache
+def _llama_sources() -> tuple[tuple[str, ...] | None, str | None]:
+    """The body of transformers' Llama attention forward, and its MLP's forward."""
+    return _body(_source(modeling_llama.LlamaAttention)), _source(modeling_llama.LlamaMLP)
+
+
+def _source(module: torch.nn.Module | type) -> str | None:
+    """The source of ``module``'s forward (a modeling file's copy of another's is equal to
+    it), or None where there is none to read or accelerate has hooked it."""
     if hasattr(module, "_hf_hook"):
-        return False
+        return None
     try:
-        return inspect.getsource(type(module).forward) == inspect.getsource(reference.forward)
+        return inspect.getsource((module if isinstance(module, type) else type(module)).forward)
     except (OSError, TypeError):
-        return False
+        return None
+
+
+def _body(source: str | None) -> tuple[str, ...] | None:
+    """A forward's lines after its signature (whose annotations vary between copies)."""
+    lines = (source or "").splitlines()
+    end = next((index for index, line in enumerate(lines) if _SIGNATURE_END.match(line)), None)
+    return None if end is None else tuple(lines[end + 1 :])
+
+
+def _attention_extras(module: torch.nn.Module) -> dict | None:
+    """The arguments ``module``'s forward adds to the attention call where its forward is
+    Llama's attention but for them (none for Llama's own); None for any other code."""
+    body, llama = _body(_source(module)), _llama_sources()[0]
+    if body is None or not hasattr(module, "q_proj"):
+        return None
+    if body == llama:
+        return {}
+    windows = [(index, match) for index, line in enumerate(body) if (match := _WINDOW_LINE.match(line))]
+    if len(windows) != 1 or windows[0][1]["expression"] not in _WINDOWS:
+        return None
+    index, match = windows[0]
+    if body[:index] + body[index + 1 :] != llama:
+        return None
+    return {"sliding_window": _WINDOWS[match["expression"]](module)}
 
 
 def _fused(module: torch.nn.Module, names: tuple[str, ...], probe, build) -> torch.nn.Module | None:

@@ -5,7 +5,8 @@ modules compute, and then the model's output and the engine's choices are unchan
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from h2o_chat import make_cache
@@ -87,6 +88,17 @@ def test_the_engine_keeps_and_generates_the_same_with_fused_projections():
         runs[name] = (torch.cat(out, 1), [layer.positions.tolist() for layer in cache.stats().layers])
     assert torch.equal(runs["fused"][0], runs["plain"][0])
     assert runs["fused"][1] == runs["plain"][1]
+
+
+@pytest.mark.parametrize("family, window", [((MistralForCausalLM, MistralConfig), 4096),
+                                            ((Qwen2ForCausalLM, Qwen2Config), None)])
+def test_llamas_copies_that_pass_a_sliding_window_are_fused_and_pass_it_on(family, window):
+    # Llama's attention code plus the window argument, read from the config (Mistral) or
+    # the module (Qwen2, whose projections carry biases).
+    plain, fused = tiny(*family), tiny(*family)
+    assert fuse_projections(fused) == (2, 2)
+    assert [layer.self_attn.extras for layer in fused.model.layers] == [{"sliding_window": window}] * 2
+    assert torch.equal(logits(fused, IDS), logits(plain, IDS))
 
 
 def test_an_attention_of_other_code_keeps_its_own():
