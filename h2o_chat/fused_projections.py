@@ -20,7 +20,9 @@ function a sliding window (Mistral, Qwen2: passed on the same), not Qwen3's (it 
 queries and keys); an MLP whose forward is Llama's (most models'); plain ``nn.Linear``
 projections (not bitsandbytes' quantized ones) in one dtype on one device; no
 accelerate hook. A probe input checked when the model loads confirms each replacement
-computes what the module computes.
+computes what the module computes. The projection modules stay in the model (their
+weights, views, are what is saved) but the fused forms do not call them: a hook on one,
+or a wrapper put around one after loading, is not run.
 """
 
 from __future__ import annotations

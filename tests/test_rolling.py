@@ -105,18 +105,21 @@ def test_rolling_keeps_real_model_rotary_positions_inside_the_cache(smollm):
     text = BOOK_EXCERPT.read_text(encoding="utf-8")[:4000]
     ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids[:256]])
     budget, chunk = 64, 16
-    attention = model.model.layers[0].self_attn
+    layer = model.model.layers[0]
     config = model.config
     kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     for rolling in (True, False):
-        raw = []
-        hook = attention.k_proj.register_forward_hook(lambda mod, args, out: raw.append(out[0].detach().float()))
+        # The attention's input, projected to keys here: the model's own projection runs
+        # stacked with the queries' and values' (fused_projections.py).
+        inputs = []
+        hook = layer.input_layernorm.register_forward_hook(lambda mod, args, out: inputs.append(out[0].detach()))
         try:
             cache = make_cache(model, "h2o", rolling=rolling, heavy=30, recent=30, sink=4)
             feed(model, cache, ids, chunk)
         finally:
             hook.remove()
-        raw_keys = torch.cat(raw).view(-1, kv_heads, head_dim)
+        with torch.no_grad():
+            raw_keys = layer.self_attn.k_proj(torch.cat(inputs)).float().view(-1, kv_heads, head_dim)
         tokens, rotary = rotary_positions(model, cache, raw_keys)
         assert cache.seen == 256 and tokens.shape[-1] == budget
         if rolling:
