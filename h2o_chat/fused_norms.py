@@ -60,6 +60,14 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     return replaced
 
 
+def probe_input(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A seeded input of ``shape`` for checking a replacement module against the one it
+    replaces, in ``like``'s dtype and on its device: values of a residual stream's scale."""
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    return torch.randn(shape, generator=generator, device=like.device,
+                       dtype=torch.float32).mul_(_PROBE_SCALE).to(like.dtype)
+
+
 def _fused_equivalent(module: torch.nn.Module) -> FusedRMSNorm | None:
     """A ``FusedRMSNorm`` that computes what ``module`` does, or None."""
     if (not type(module).__name__.endswith("RMSNorm") or hasattr(module, "_hf_hook")
@@ -71,9 +79,7 @@ def _fused_equivalent(module: torch.nn.Module) -> FusedRMSNorm | None:
             or not weight.is_floating_point() or not isinstance(eps, float)):
         return None
     fused = FusedRMSNorm(module, weight, eps)
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    probe = torch.randn((_PROBE_ROWS, weight.shape[0]), generator=generator, device=weight.device,
-                        dtype=torch.float32).mul_(_PROBE_SCALE).to(weight.dtype)
+    probe = probe_input((_PROBE_ROWS, weight.shape[0]), weight)
     with torch.no_grad():
         own, theirs = module(probe), fused(probe)
     # The fused operation rounds once where the module may round twice (before and after

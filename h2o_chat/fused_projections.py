@@ -38,8 +38,9 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 
+from h2o_chat.fused_norms import probe_input
+
 _PROBE_TOKENS = 3
-_PROBE_SCALE = 3.0
 # A stacked product may sum in another order than the separate ones (another GPU kernel
 # for the wider matrix): a few units in the last place of the dtype, relative to the
 # output's scale. A different formula is off by the output's own size.
@@ -163,16 +164,21 @@ def fuse_projections(model: torch.nn.Module) -> tuple[int, int]:
 @functools.cache
 def _llama_sources() -> tuple[tuple[str, ...] | None, str | None]:
     """The body of transformers' Llama attention forward, and its MLP's forward."""
-    return _body(_source(modeling_llama.LlamaAttention)), _source(modeling_llama.LlamaMLP)
+    return _body(_class_source(modeling_llama.LlamaAttention)), _class_source(modeling_llama.LlamaMLP)
 
 
-def _source(module: torch.nn.Module | type) -> str | None:
+def _source(module: torch.nn.Module) -> str | None:
     """The source of ``module``'s forward (a modeling file's copy of another's is equal to
-    it), or None where there is none to read or accelerate has hooked it."""
-    if hasattr(module, "_hf_hook"):
-        return None
+    it), or None where accelerate has hooked it or there is none to read."""
+    return None if hasattr(module, "_hf_hook") else _class_source(type(module))
+
+
+@functools.cache
+def _class_source(cls: type) -> str | None:
+    """``cls``'s forward as written, read once per class (a model has hundreds of modules
+    of a few classes)."""
     try:
-        return inspect.getsource((module if isinstance(module, type) else type(module)).forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
 
@@ -187,8 +193,10 @@ def _body(source: str | None) -> tuple[str, ...] | None:
 def _attention_extras(module: torch.nn.Module) -> dict | None:
     """The arguments ``module``'s forward adds to the attention call where its forward is
     Llama's attention but for them (none for Llama's own); None for any other code."""
+    if not hasattr(module, "q_proj"):
+        return None
     body, llama = _body(_source(module)), _llama_sources()[0]
-    if body is None or not hasattr(module, "q_proj"):
+    if body is None:
         return None
     if body == llama:
         return {}
@@ -239,14 +247,8 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(weights, dim=0)
 
 
-def _probe_input(width: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
-    generator = torch.Generator(device=like.device).manual_seed(0)
-    return torch.randn((1, tokens, width), generator=generator, device=like.device,
-                       dtype=torch.float32).mul_(_PROBE_SCALE).to(like.dtype)
-
-
 def _attention_probe(module: torch.nn.Module, fused: FusedAttention) -> bool:
-    hidden = _probe_input(module.q_proj.in_features, fused.qkv_weight, _PROBE_TOKENS)
+    hidden = probe_input((1, _PROBE_TOKENS, module.q_proj.in_features), fused.qkv_weight)
     generator = torch.Generator(device=hidden.device).manual_seed(1)
     angles = torch.rand((1, _PROBE_TOKENS, module.head_dim // 2), generator=generator, device=hidden.device) * 6.3
     angles = torch.cat((angles, angles), dim=-1)
@@ -260,7 +262,7 @@ def _attention_probe(module: torch.nn.Module, fused: FusedAttention) -> bool:
 
 
 def _mlp_probe(module: torch.nn.Module, fused: FusedMLP) -> bool:
-    hidden = _probe_input(module.gate_proj.in_features, fused.gate_up_weight, _PROBE_TOKENS)
+    hidden = probe_input((1, _PROBE_TOKENS, module.gate_proj.in_features), fused.gate_up_weight)
     return _close(module(hidden), fused(hidden))
 
 

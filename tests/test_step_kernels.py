@@ -16,11 +16,11 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A float16 tiny Llama (the kernels take half precision), fused as the app loads it or not; rows unlike in every way the
-# kernels see: float, K4/V4 with an exact window, pins in the middle, a turns policy's
-# row, a mean ranking, a sink row (unscored: its attention is sdpa's, its
-# eviction the kernel's), past their budgets. The same token is fed to both runs at
-# every step, whatever they would draw.
+# A float16 tiny Llama (the kernels take half precision), fused as the app loads it or
+# not; rows unlike in every way the kernels see: float, K4/V4 with an exact window, pins
+# in the middle, a turns policy's row, a mean ranking, a sink row (unscored: its
+# attention is sdpa's, its eviction the kernel's), past their budgets. The same token is
+# fed to both runs at every step, whatever they would draw.
 PROGRAM = """
 import json, sys
 import torch

@@ -17,9 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from h2o_chat.config import ModelConfig
 from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
-from h2o_chat.fused_norms import fuse_rms_norms
-from h2o_chat.fused_projections import fuse_projections
-from h2o_chat.loading import EMBEDDED_PACKAGE, load_model
+from h2o_chat.loading import EMBEDDED_PACKAGE, fuse_for_decoding, load_model
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,7 @@ def build(shape: LlamaShape, device: torch.device, dtype: torch.dtype = torch.bf
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(shape.config(), dtype=dtype)
-    fuse_rms_norms(model)
-    fuse_projections(model)
+    fuse_for_decoding(model)
     return model.eval()
 
 
