@@ -8,7 +8,7 @@ import torch
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import ConfigError
 from h2o_chat.engine.budget import token_bytes, window_bytes
-from h2o_chat.engine.window import entry_slots
+from h2o_chat.engine.window import entry_rows, entry_slots
 from h2o_chat.inputs import InputError
 from h2o_chat.sessions.files import TENSORS, SettingsMismatch, load_session, save_session
 from h2o_chat.ui.gauges import Gauge, gauge_html
@@ -87,6 +87,20 @@ def test_each_ring_entry_names_the_live_slot_holding_its_token():
                 expected = live.index(position) if position in live else int(newest[row])
                 assert int(named[row, head, position % size]) == expected
     assert entry_slots({"positions": positions}, seen, newest) is None
+
+
+def test_entry_rows_name_each_entrys_slot_as_a_row_of_the_flattened_read():
+    """The decode step makes ``entry_rows`` once for every layer: row ``entry_rows[l][i]``
+    of layer ``l``'s read viewed as ``(-1, dim)`` is the slot entry ``i`` names."""
+    torch.manual_seed(4)
+    layers, rows, heads, size, ring, dim = 3, 2, 3, 7, 4, 5
+    slots = torch.randint(0, size, (layers, rows, heads, ring))
+    reads = torch.randn(layers, rows, heads, size, dim)
+    flat = entry_rows(slots, size)
+    assert flat.shape == (layers, rows * heads * ring)
+    for layer in range(layers):
+        expected = reads[layer].gather(2, slots[layer, ..., None].expand(-1, -1, -1, dim))
+        assert torch.equal(reads[layer].view(-1, dim)[flat[layer]], expected.view(-1, dim))
 
 
 def test_rows_with_and_without_windows_decode_in_one_batch_as_each_alone(tiny_model):

@@ -29,7 +29,7 @@ from .rope import RopeShifter
 from .slots import ROLLING_METADATA, SLOT_METADATA, RowBounds, SlotGroup, grown_size
 from .spans import ProtectedSpans
 from .turns import TurnMarks
-from .window import entry_slots, length, read_slots, window_name, write_newest
+from .window import entry_rows, entry_slots, length, read_slots, window_name, write_newest
 
 
 class HeldSlots:
@@ -222,10 +222,11 @@ class H2OLayer(CacheLayerMixin):
         held = self.held_slots()
         # A read follows the pass's ``update``: its newest token is in the last held slot.
         entries = entry_slots(held, self.seen, self.held - 1)
-        keys = read_slots(self.storage.keys, held, "keys", dtype, entries)
+        rows = None if entries is None else entry_rows(entries, self.held)
+        keys = read_slots(self.storage.keys, held, "keys", dtype, rows)
         if self.rope is not None and self.key_rotation is None:
             keys = self.rope.shift(keys, self.rotated_at)
-        return keys, read_slots(self.storage.values, held, "values", dtype, entries)
+        return keys, read_slots(self.storage.values, held, "values", dtype, rows)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not slots held: generate and the model derive positions from it.

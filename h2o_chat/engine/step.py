@@ -41,7 +41,7 @@ from .pool import RowPool, pool_signature
 from .selection import lowest_slot, middle_slots, ranking_key
 from .slots import drop_newest_into
 from .stored import StoredSlots
-from .window import as_ring, entry_slots, slot_buffers, window_name
+from .window import as_ring, entry_rows, entry_slots, slot_buffers, window_name
 
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
@@ -247,6 +247,7 @@ class _Rows:
         self.layers = [dict(zip(self.buffers, views)) for views in zip(*(t.unbind(0) for t in self.buffers.values()))]
         self.new: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # by layer, see ``write``
         self.entries: torch.Tensor | None = None  # the slot of each exact window entry, every layer
+        self.entry_rows: torch.Tensor | None = None  # the same as rows of a layer's read (``window.entry_rows``)
 
     def per_row(self, field: int) -> torch.Tensor:
         """Plan column ``field`` shaped to broadcast over ``(layers, rows, kv_heads, slots)``."""
@@ -262,6 +263,8 @@ class _Rows:
             self.buffers["rotated_at"][every_layer] = self.slot.view(as_rows)
         # Every layer's at once: positions do not move until the step evicts.
         self.entries = entry_slots(self.buffers, self.plan[:, POSITION].view(as_rows) + 1, self.slot.view(as_rows))
+        if self.entries is not None:
+            self.entry_rows = entry_rows(self.entries, self.seg.pool.size)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer ``layer``'s new keys and values (the segment's batch rows of the model's
@@ -282,11 +285,11 @@ class _Rows:
         row's own masked out (they receive exactly zero); the mass each slot receives is
         added to its score, every row at once."""
         seg, buffers = self.seg, self.layers[layer]
-        entries = None if self.entries is None else self.entries[layer]
+        entries, rows = (None, None) if self.entries is None else (self.entries[layer], self.entry_rows[layer])
         rotation = (seg.rope, buffers["rotated_at"]) if seg.rope is not None and not seg.rotates_in_place else None
         # The new tokens as the model gave them, over what is stored in their slots.
         keys, values = (StoredSlots(codec, buffers, name, entries, self.new[name][layer] if self.new[name] else None,
-                                    self.at, rotation if name == "keys" else None)
+                                    self.at, rotation if name == "keys" else None, rows)
                         for name, codec in (("keys", seg.storage.keys), ("values", seg.storage.values)))
         if not seg.scored:
             return sdpa_attention(query, keys.read(query.dtype), values.read(query.dtype), self.visible, scaling)

@@ -14,7 +14,7 @@ import torch
 
 from .quant import FloatCodec, GroupQuantCodec, SlotCodec, make_codec
 from .rope import RopeShifter
-from .window import read_slots, window_name
+from .window import entry_rows, read_slots, window_name
 
 
 class StoredSlots:
@@ -22,13 +22,17 @@ class StoredSlots:
     as ``codec`` stores it. ``entries``: per ring entry the slot holding its token
     (``window.entry_slots``), None without a ring; ``new``: each row's new token
     ``(rows, kv_heads, dim)``, read in its newest slot ``at`` instead of what is stored
-    there; ``rotation``: rope and the rank each key is rotated to when read (rolling)."""
+    there; ``rotation``: rope and the rank each key is rotated to when read (rolling);
+    ``entry_rows``: ``window.entry_rows`` of ``entries`` where already made (the decode
+    step makes them once for every layer)."""
 
     def __init__(self, codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str,
                  entries: torch.Tensor | None = None, new: torch.Tensor | None = None, at: tuple | None = None,
-                 rotation: tuple[RopeShifter, torch.Tensor] | None = None) -> None:
+                 rotation: tuple[RopeShifter, torch.Tensor] | None = None,
+                 entry_rows: torch.Tensor | None = None) -> None:
         self.codec, self.buffers, self.name = codec, buffers, name
         self.entries, self.new, self.at, self.rotation = entries, new, at, rotation
+        self.entry_rows = entry_rows
 
     @classmethod
     def plain(cls, x: torch.Tensor) -> StoredSlots:
@@ -49,7 +53,10 @@ class StoredSlots:
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The slots as attention reads them, in ``dtype`` ``(rows, kv_heads, slots, dim)``:
         a copy wherever anything is decoded, rotated or written over."""
-        read = read_slots(self.codec, self.buffers, self.name, dtype, self.entries)
+        rows = self.entry_rows
+        if rows is None and self.entries is not None:
+            rows = entry_rows(self.entries, self.slots)
+        read = read_slots(self.codec, self.buffers, self.name, dtype, rows)
         if self.rotation is not None:
             rope, rotated_at = self.rotation
             read = rope.shift(read, rotated_at)

@@ -90,12 +90,23 @@ def entry_slots(buffers: dict[str, torch.Tensor], seen: int | torch.Tensor,
     return torch.where(named >= 0, named, newest_slot)
 
 
+def entry_rows(slots: torch.Tensor, size: int) -> torch.Tensor:
+    """Where ring entries go in a read: ``slots`` ``(..., rows, heads, R)`` names per entry
+    a slot of a read ``(rows, heads, size, dim)`` (one read per leading index, e.g. per
+    layer); the result ``(..., rows * heads * R)`` names the same slot as a row of that
+    read viewed as ``(rows * heads * size, dim)``. Made once for every layer of a step."""
+    rows, heads = slots.shape[-3:-1]
+    first = torch.arange(0, rows * heads * size, size, device=slots.device).view(rows, heads, 1)
+    return (slots + first).flatten(-3)
+
+
 def read_slots(codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
-               slots: torch.Tensor | None) -> torch.Tensor:
-    """Quantity ``name`` of one layer's slot ``buffers`` (``(..., slots, dim)``) as
+               rows: torch.Tensor | None) -> torch.Tensor:
+    """Quantity ``name`` of one layer's slot ``buffers`` (``(batch, heads, slots, dim)``) as
     attention reads it, in ``dtype``: as ``codec`` reads it back, then each ring entry
-    written over the slot ``slots`` names (``entry_slots``): R copies, where gathering
-    the ring for every slot cost as much as dequantizing them all again."""
+    written over the slot holding its token, ``rows`` (``entry_rows`` of ``entry_slots``):
+    R copies, where gathering the ring for every slot cost as much as dequantizing them
+    all again."""
     read = codec.read(buffers, name, dtype)
     ring = buffers.get(window_name(name))
     if ring is None:
@@ -104,7 +115,5 @@ def read_slots(codec: SlotCodec, buffers: dict[str, torch.Tensor], name: str, dt
     # CPU three times faster than scattering along the slot dimension. ``read`` is the
     # codec's fresh copy (only quantized quantities have a ring), so it can be viewed so.
     read = read.contiguous()
-    size = read.shape[-2]
-    first = torch.arange(0, slots[..., 0].numel() * size, size, device=slots.device).view(*slots.shape[:-1], 1)
-    read.view(-1, read.shape[-1]).index_copy_(0, (slots + first).flatten(), ring.to(dtype).flatten(0, -2))
+    read.view(-1, read.shape[-1]).index_copy_(0, rows, ring.to(dtype).flatten(0, -2))
     return read
