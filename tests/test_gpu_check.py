@@ -15,7 +15,8 @@ CHECKS = ["rounding of bfloat16 measured", "h2o (budget above the context) equal
           "batched rows equal each row alone", "a captured step equals an eager one",
           "kept positions equal the CPU rule for the same scores", "the fused decode attention equals the reference",
           "memory freed between runs"]
-CACHES = ["full", "h2o 20%", "h2o 20% K8/V4"]
+CACHES = ["full", "h2o 20%", "h2o 20% K8/V4", "h2o 20% K4/V4 +16 exact"]
+SEARCHED = CACHES[: gpu.LARGEST_SEARCHED]  # the caches whose largest batch is searched
 
 
 def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
@@ -59,7 +60,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
         (name, n) for name in CACHES for n in (plan.batches[0], plan.batches[-1])]
     assert all(r["ops"] > 0 and r["host_reads"] >= 0 for r in model["step_costs"])
     largest = {r["cache"]: r for r in model["largest_batch"]}
-    assert list(largest) == CACHES
+    assert list(largest) == SEARCHED == CACHES[:3]
     for row in largest.values():  # projected from the bytes, run up to the cap
         assert row["projected"] == int(plan.memory_mb * gpu.MB * gpu.MEMORY_MARGIN
                                        // (row["conversation_mb"] * gpu.MB + row["step_mb_per_row"] * gpu.MB))
@@ -83,6 +84,10 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert "| rounding of bfloat16 measured | measured |" in page
     assert ", 5 RMS norms fused, 2 attentions and 2 MLPs with stacked projections" in page
     assert "| loads and decodes: model.device cpu | pass |" in page
+    for count in plan.batches:  # each quantized design against float h2o, with its target
+        assert f"- h2o 20% K8/V4 / h2o 20% at {count} conversations: " in page
+        assert f"- h2o 20% K4/V4 +16 exact / h2o 20% at {count} conversations: " in page
+    assert page.count("(target >= 0.8x)") == page.count("(target >= 0.9x)") == len(plan.batches)
     assert "FAIL" not in page and "not run: they need CUDA" in page
 
 
