@@ -12,8 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import asyncio
+import logging
+
 import httpx
 import psutil
+import uvicorn
+from fastapi import FastAPI
+
+from h2o_chat.api.server import CancelledAtExit
 
 from .browser_support import open_app, running_app
 
@@ -62,3 +69,22 @@ def test_ctrl_c_ends_the_app_cleanly_with_a_page_open_and_a_reply_streaming(brow
     assert '"finish_reason": "stop"' in "".join(rest) and "data: [DONE]" in rest
     printed = log.read_text()
     assert printed.endswith("h2o-chat: stopped.\n") and "Traceback" not in printed, printed
+
+
+def test_a_response_cancelled_at_the_end_of_the_grace_period_is_one_line_not_a_traceback(caplog):
+    """What uvicorn logs when it cancels a response still open after the grace period (an
+    ASGI exception with its traceback) becomes one line, but only once the server is
+    stopping: a cancellation while it serves keeps its traceback."""
+    server = uvicorn.Server(uvicorn.Config(FastAPI()))
+    logger = logging.getLogger("test.uvicorn.error")
+    logger.addFilter(CancelledAtExit(server))
+    cancelled = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
+    with caplog.at_level(logging.ERROR, logger=logger.name):
+        logger.error("Exception in ASGI application\n", exc_info=cancelled)
+        server.should_exit = True
+        logger.error("Exception in ASGI application\n", exc_info=cancelled)
+        logger.error("Exception in ASGI application\n", exc_info=ValueError("a real one"))
+    serving, stopping, other = caplog.records
+    assert serving.exc_info is not None
+    assert stopping.getMessage() == "h2o-chat: a response still open after 3 s was closed" and not stopping.exc_info
+    assert other.exc_info is not None and other.getMessage().startswith("Exception in ASGI application")

@@ -4,6 +4,7 @@ API's FastAPI app, served by uvicorn on one port."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,8 @@ from h2o_chat.ui.app import launch_options
 from .page_guards import page_middleware
 from .routes import create_api
 
+# Seconds uvicorn waits, once told to stop, for responses still open before cancelling them.
+GRACE_S = 3
 
 def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.Blocks) -> FastAPI:
     """The API (``/v1``, ``/health``, ``/metrics``) with ``demo`` mounted at ``/``, keeping
@@ -40,7 +43,8 @@ def serve(app: FastAPI, server: ServerConfig) -> None:
     Gradio share link."""
     # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
     runner = _Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
-                                    timeout_graceful_shutdown=3))
+                                    timeout_graceful_shutdown=GRACE_S))
+    logging.getLogger("uvicorn.error").addFilter(CancelledAtExit(runner))
     if server.share:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
     print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
@@ -48,11 +52,28 @@ def serve(app: FastAPI, server: ServerConfig) -> None:
     runner.run()
 
 
+class CancelledAtExit(logging.Filter):
+    """Once ``server`` is stopping, a response still open when the grace period ends is
+    cancelled by uvicorn, by design (a page's event stream that outlives it, say): uvicorn
+    logs that as an ASGI exception with its traceback; this says it in one line."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if self.server.should_exit and isinstance(exc, asyncio.CancelledError):
+            record.msg, record.args = f"h2o-chat: a response still open after {GRACE_S} s was closed", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
 class _Server(uvicorn.Server):
     """Told to stop (Ctrl-C), it first ends what would keep a response open: the replies
     under way (the model's worker stops, they end as stopped) and the open pages'
     heartbeat streams, which Gradio ends only for an app it launched itself. Left open,
-    uvicorn's graceful shutdown cancelled them after 3 s, with a traceback each."""
+    uvicorn's graceful shutdown cancelled them after ``GRACE_S``, with a traceback each."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # In a thread of its own: this signal handler runs on the event loop's thread,
