@@ -6,14 +6,13 @@ an active exception", status 134) in about one run of five of ``chat_program.py`
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import asyncio
-import logging
 
 import httpx
 import psutil
@@ -76,14 +75,17 @@ def test_a_response_cancelled_at_the_end_of_the_grace_period_is_one_line_not_a_t
     ASGI exception with its traceback) becomes one line, but only once the server is
     stopping: a cancellation while it serves keeps its traceback."""
     server = uvicorn.Server(uvicorn.Config(FastAPI()))
-    logger = logging.getLogger("test.uvicorn.error")
-    logger.addFilter(CancelledAtExit(server))
+    logger, quiet = logging.getLogger("test.uvicorn.error"), CancelledAtExit(server)
+    logger.addFilter(quiet)
     cancelled = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
-    with caplog.at_level(logging.ERROR, logger=logger.name):
-        logger.error("Exception in ASGI application\n", exc_info=cancelled)
-        server.should_exit = True
-        logger.error("Exception in ASGI application\n", exc_info=cancelled)
-        logger.error("Exception in ASGI application\n", exc_info=ValueError("a real one"))
+    try:
+        with caplog.at_level(logging.ERROR, logger=logger.name):
+            logger.error("Exception in ASGI application\n", exc_info=cancelled)
+            server.should_exit = True
+            logger.error("Exception in ASGI application\n", exc_info=cancelled)
+            logger.error("Exception in ASGI application\n", exc_info=ValueError("a real one"))
+    finally:
+        logger.removeFilter(quiet)
     serving, stopping, other = caplog.records
     assert serving.exc_info is not None
     assert stopping.getMessage() == "h2o-chat: a response still open after 3 s was closed" and not stopping.exc_info

@@ -29,6 +29,7 @@ from .routes import create_api
 # Seconds uvicorn waits, once told to stop, for responses still open before cancelling them.
 GRACE_S = 3
 
+
 def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.Blocks) -> FastAPI:
     """The API (``/v1``, ``/health``, ``/metrics``) with ``demo`` mounted at ``/``, keeping
     the page's login and request-size limit."""
