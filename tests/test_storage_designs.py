@@ -36,12 +36,13 @@ def test_tokens_in_the_window_or_an_open_block_stay_exact(tiny_model):
     assert float((channel[:, BLOCK:] - full[:, BLOCK:]).abs().max()) > 1e-4
 
 
-def test_per_channel_blocks_round_each_channel_within_half_its_step():
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_per_channel_blocks_round_each_channel_within_half_its_step(bits):
     torch.manual_seed(3)
     keys = torch.randn(2, 3, 2 * BLOCK, 64) * torch.linspace(0.1, 20, 64)  # channels of unlike ranges
-    rounded = DesignLayer(Design("c", keys="channel"))._round_keys(keys)
+    rounded = DesignLayer(Design("c", keys="channel", key_bits=bits))._round_keys(keys)
     blocks, got = keys.unflatten(-2, (-1, BLOCK)), rounded.unflatten(-2, (-1, BLOCK))
-    step = (blocks.amax(-2, keepdim=True) - blocks.amin(-2, keepdim=True)) / 15
+    step = (blocks.amax(-2, keepdim=True) - blocks.amin(-2, keepdim=True)) / (2**bits - 1)
     assert bool(((got - blocks).abs() <= step * 0.5 * 1.01 + 1e-3).all())
     assert float((got - blocks).abs().max()) > 0
 
@@ -51,5 +52,8 @@ def test_the_rotation_is_its_own_inverse_and_the_byte_count_adds_up(tiny_model):
     torch.testing.assert_close(h @ h, torch.eye(64), rtol=0, atol=1e-6)
     assert Design("k8", key_bits=8).slot_bytes(64) == 64 + 8 + 32 + 8
     assert Design("c", keys="channel").slot_bytes(64) == Design("t").slot_bytes(64) == 32 + 8 + 32 + 8
+    # Fewer bits counted as packed: 24 bytes of codes at 3 bits, 16 at 2.
+    assert Design("c3", keys="channel", key_bits=3, value_bits=3).slot_bytes(64) == 24 + 8 + 24 + 8
+    assert Design("c2", keys="channel", key_bits=2, value_bits=2).slot_bytes(64) == 16 + 8 + 16 + 8
     # The window's exact tokens (float32 here) come off the budget before any slot.
     assert slots_at(tiny_model, Design("w", window=9), 0.05, 1536) < slots_at(tiny_model, Design("t"), 0.05, 1536)

@@ -11,14 +11,16 @@ the design reads back (the engine's own codec rounds it: ``GroupQuantCodec``), s
 attention sees exactly the values the design would give it. The first row is today's
 storage; a test checks that its logits equal the engine's own K4/V4 cache.
 
-Designs (keys; values stay 4-bit per token, groups of 32):
+Designs (keys; values 4-bit per token in groups of 32 unless stated):
 - per token: groups of ``key_group`` neighbouring channels of one token (today's, 32);
 - rotated: the same after a Hadamard rotation of the head dimension, which spreads the
   few outlier channels over all of them (QuaRot's remedy);
 - per channel: one scale and minimum per channel over a block of 32 tokens, rounded once
   the block is complete (KIVI's keys); the newest block stays exact until then;
 - a window: the newest ``window`` tokens' keys and values kept exact (KIVI's residual),
-  rounded when they leave it.
+  rounded when they leave it;
+- 2 and 3 bits (KIVI's own widths): per-channel keys and per-token values at fewer bits,
+  rounded by the same per-group rule (``RoundingCodec``), bytes counted as packed.
 
 Bytes: what a slot's key and value take (codes and scales), and what the exact window
 and the per-channel design's open block take on top, per layer and KV head; "slots at 5%"
@@ -45,14 +47,21 @@ from .report import designs_against_full, md_table, perplexity_bars
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
 BLOCK = 32  # tokens per block of the per-channel design
-VALUE_BITS = 4
 STUDY_SHARE = 0.05  # the share of bytes whose slots the table gives
 PASSAGE_TOKENS = 1536 + 200  # comparison 8's passages: streamed, then 200 tokens continued
 
 
+class RoundingCodec(GroupQuantCodec):
+    """The engine's per-token group rounding at any width from 2 to 8 bits, for round
+    trips only: codes stay one to a byte (never stored), bytes are counted as packed."""
+
+    def __init__(self, bits: int, group: int = 32) -> None:
+        self.bits, self.group, self.levels = bits, group, 2**bits - 1
+
+
 @dataclass(frozen=True)
 class Design:
-    """How a design stores keys (values: 4-bit per token) and how many newest tokens it
+    """How a design stores keys and values (per token) and how many newest tokens it
     keeps as given."""
 
     label: str
@@ -60,12 +69,13 @@ class Design:
     key_bits: int = 4
     key_group: int = 32
     window: int = 1  # newest tokens kept exact: 1 is the pass's own token, as the engine does
+    value_bits: int = 4
 
     def codecs(self) -> tuple[GroupQuantCodec, GroupQuantCodec]:
-        """The engine's codecs that round its keys and its values. Per channel, the key
-        codec's groups are a block's tokens (one channel of ``BLOCK`` tokens)."""
-        return (GroupQuantCodec(self.key_bits, BLOCK if self.keys == "channel" else self.key_group),
-                GroupQuantCodec(VALUE_BITS))
+        """The codecs that round its keys and its values. Per channel, the key codec's
+        groups are a block's tokens (one channel of ``BLOCK`` tokens)."""
+        return (RoundingCodec(self.key_bits, BLOCK if self.keys == "channel" else self.key_group),
+                RoundingCodec(self.value_bits))
 
     def slot_bytes(self, head_dim: int) -> int:
         """A slot's key and value: codes, scales and minimums, as the codecs lay them out.
@@ -90,6 +100,10 @@ DESIGNS = (
     Design("K4/V4, newest 16 exact", window=16),
     Design("K4/V4, newest 32 exact", window=32),
     Design("K4 per channel, blocks of 32", keys="channel"),
+    Design("K4 per channel / V2 per token", keys="channel", value_bits=2),
+    Design("K3 per channel / V3 per token", keys="channel", key_bits=3, value_bits=3),
+    Design("K2 per channel / V4 per token", keys="channel", key_bits=2),
+    Design("K2 per channel / V2 per token (KIVI-2)", keys="channel", key_bits=2, value_bits=2),
 )
 
 

@@ -36,7 +36,7 @@ from h2o_chat.engine.slots import SLOT_METADATA
 from . import data
 from .equal_bytes import PRECISIONS, SINK, plain_token_bytes
 from .report import designs_against_full, md_table, perplexity_bars
-from .storage_designs import round_trip
+from .storage_designs import RoundingCodec, round_trip
 from .streaming import full_records, passage_records, reference_logprobs, stream_pass
 
 ENGINE = PRECISIONS["K4/V4 +16 exact"]  # the engine's cache the study starts from
@@ -44,14 +44,6 @@ WINDOW = ENGINE.exact_window
 STUDY_SHARE = 0.05
 STREAM_LEN = 1536
 HI = (4, 4)  # the engine's K4/V4
-
-
-class RoundingCodec(GroupQuantCodec):
-    """The engine's per-token group rounding at any width from 2 to 8 bits, for round
-    trips only: codes stay one to a byte (never stored), bytes are counted as packed."""
-
-    def __init__(self, bits: int, group: int = 32) -> None:
-        self.bits, self.group, self.levels = bits, group, 2**bits - 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +82,8 @@ class Tier:
 TIERS = (
     Tier("no tier (the engine's K4/V4 + 16 exact)"),
     Tier("uniform K3/V3 + 16 exact, no tier", hi_bits=(3, 3)),
+    Tier("uniform K4/V3 + 16 exact, no tier", hi_bits=(4, 3)),
+    Tier("uniform K4/V2 + 16 exact, no tier", hi_bits=(4, 2)),
     Tier("hi 250 + lo K2/V2", hi=250, lo=(2, 2)),
     Tier("hi 250 + lo K2/V2, groups of 64", hi=250, lo=(2, 2), group=64),
     Tier("hi 250 + lo K4/V2", hi=250, lo=(4, 2)),
