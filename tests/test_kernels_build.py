@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from h2o_chat.bench.gpu_kernels import LAUNCHES  # noqa: E402
 from h2o_chat.engine import decode_kernel, evict_kernel  # noqa: E402
 from h2o_chat.engine.batch import END, OPENED, POSITION, RANKING, SLOT, START  # noqa: E402
 from h2o_chat.engine.quant import make_codec  # noqa: E402
@@ -24,6 +25,8 @@ from h2o_chat.engine.stored import StoredSlots  # noqa: E402
 from h2o_chat.engine.window import window_name  # noqa: E402
 
 CAPABILITIES = {"Hopper (sm_90)": 90, "Ampere (sm_80)": 80}
+# Shared memory a block may take (the opt-in maximum Triton checks at load): H100/H200, A100.
+SHARED_MEMORY = {90: 232_448, 80: 166_912}
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                  torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
 
@@ -88,10 +91,9 @@ ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
-@pytest.mark.parametrize("key_bits, value_bits, ring, dtype, dim, groups, turns", ATTENTION)
-def test_the_fused_decode_attention_builds_for_the_gpu(monkeypatch, capability, key_bits, value_bits, ring, dtype,
-                                                      dim, groups, turns):
+def attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, groups, turns,
+                       launch: dict | None = None) -> list:
+    """The (kernel, arguments, keywords) of each launch one scored decode makes."""
     rows, kv_heads, slots = 3, 2, 100
     attend, add_received = Launches(decode_kernel._attend), Launches(decode_kernel._add_received)
     monkeypatch.setattr(decode_kernel, "_attend", attend)
@@ -103,10 +105,31 @@ def test_the_fused_decode_attention_builds_for_the_gpu(monkeypatch, capability, 
     assert decode_kernel.usable(query, keys, values)
     scores = torch.zeros(rows, kv_heads, slots)
     counted = torch.ones(rows, kv_heads, slots, dtype=torch.bool) if turns else None
-    decode_kernel.scored_decode(query, keys, values, torch.full((rows,), slots), dim**-0.5, scores, counted)
-    for launches in (attend, add_received):
-        (args, kwargs), = launches.calls
-        assert build(launches.kernel, args, kwargs, capability).asm["cubin"]
+    decode_kernel.scored_decode(query, keys, values, torch.full((rows,), slots), dim**-0.5, scores, counted,
+                                launch=launch)
+    return [(launches.kernel, *call) for launches in (attend, add_received) for call in launches.calls]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
+@pytest.mark.parametrize("key_bits, value_bits, ring, dtype, dim, groups, turns", ATTENTION)
+def test_the_fused_decode_attention_builds_for_the_gpu(monkeypatch, capability, key_bits, value_bits, ring, dtype,
+                                                      dim, groups, turns):
+    launches = attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, groups, turns)
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == ["_attend", "_add_received"]
+    for kernel, args, kwargs in launches:
+        assert build(kernel, args, kwargs, capability).asm["cubin"]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
+@pytest.mark.parametrize("warps, stages", LAUNCHES)
+def test_every_launch_setting_the_gpu_check_tries_fits_the_gpus_shared_memory(monkeypatch, capability, warps,
+                                                                              stages):
+    # The heaviest reads: 8B's 128 channels, 8-bit keys and 4-bit values with the ring.
+    (kernel, args, kwargs), _ = attention_launches(monkeypatch, 8, 4, 16, torch.bfloat16, 128, 4, False,
+                                                   launch=dict(num_warps=warps, num_stages=stages))
+    built = build(kernel, args, kwargs, capability)
+    assert (built.metadata.num_warps, built.metadata.num_stages) == (warps, stages)
+    assert 0 < built.metadata.shared <= SHARED_MEMORY[capability]
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
