@@ -70,13 +70,14 @@ def stored(bits: int | None, name: str, shape: tuple, dim: int, dtype: torch.dty
     rows, heads, slots = shape
     if bits is None:
         return StoredSlots.plain(torch.zeros(rows, heads, slots, dim, dtype=dtype))
-    buffers = make_codec(bits).empty(name, shape, dim, torch.device("cpu"), dtype)
+    codec = make_codec(bits)
+    buffers = codec.empty(name, shape, dim, torch.device("cpu"), dtype)
     entries = None
     if ring:
         buffers[window_name(name)] = torch.zeros(rows, heads, ring, dim, dtype=dtype)
         entries = torch.zeros(rows, heads, ring, dtype=torch.long)
     at = (torch.arange(rows), slice(None), torch.zeros(rows, dtype=torch.long))
-    return StoredSlots(make_codec(bits), buffers, name, entries, new, at)
+    return StoredSlots(codec, buffers, name, entries, new, at)
 
 
 # (key bits, value bits, exact window, dtype, head dim, query heads per KV head, turns):
