@@ -91,6 +91,73 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert "FAIL" not in page and "not run: they need CUDA" in page
 
 
+def fail_for(cache_name: str, real):
+    """``real`` (a part of the check taking the cache's name second), raising for one cache:
+    a stand-in for a kernel that does not build on a GPU for one storage design."""
+    def part(model, name, *args, **kwargs):
+        if name == cache_name:
+            raise RuntimeError(f"injected failure for {name}")
+        return real(model, name, *args, **kwargs)
+    return part
+
+
+def test_a_part_that_raises_fails_the_check_and_the_rest_still_runs(tmp_path, monkeypatch):
+    """One design's error (on a GPU: a kernel that does not build there) costs that design's
+    rows only: a lent machine's minutes cannot rerun the parts after it."""
+    monkeypatch.setattr(gpu, "serve", fail_for("h2o 20% K8/V4", gpu.serve))
+    monkeypatch.setattr(gpu, "decode_row", fail_for("h2o 20% K4/V4 +16 exact", gpu.decode_row))
+    def raising(*args):
+        raise ValueError("injected check failure")
+
+    monkeypatch.setattr(gpu_checks, "batched_rows_equal_alone", raising)
+    assert main(["gpu", "--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["complete"] is True and result["passed"] is False
+    (model,) = result["models"]
+    checks = {c["name"]: c for c in model["checks"]}
+    assert [c["name"] for c in model["checks"]] == [
+        *CHECKS[:-1], "decode, h2o 20% K4/V4 +16 exact ran to its end", "serving, h2o 20% K8/V4 ran to its end",
+        "memory freed between runs"]
+    batched = checks["batched rows equal each row alone"]
+    assert batched["passed"] is False
+    assert batched["measured"].startswith("raised ValueError: injected check failure (test_gpu_check.py:")
+    assert "Traceback" in batched["details"]["traceback"]
+    # The checks after the one that raised ran, and passed.
+    assert [checks[name]["passed"] for name in CHECKS[3:5]] == [True, True]
+    serving = checks["serving, h2o 20% K8/V4 ran to its end"]
+    assert serving["passed"] is False and "RuntimeError: injected failure for h2o 20% K8/V4" in serving["measured"]
+    # Every other cache's rows are there, the failed ones' are not; the parts after them ran.
+    assert [r["cache"] for r in model["decode"]] == [*CACHES[:3], "stock DynamicCache"]
+    assert {r["cache"] for r in model["serving"]} == {CACHES[0], CACHES[1], CACHES[3]}
+    assert [r["cache"] for r in model["largest_batch"]] == CACHES[:2]
+    assert model["prefill"] and model["kernels"] and result["loading"][0]["passed"]
+    assert checks["memory freed between runs"]["passed"] is True  # a part that raised leaks nothing
+    page = (tmp_path / "gpu.md").read_text()
+    assert "| serving, h2o 20% K8/V4 ran to its end | FAIL | raised RuntimeError: injected failure" in page
+    assert "- h2o 20% K4/V4 +16 exact / h2o 20% at 4 conversations: " in page
+    assert "- h2o 20% K8/V4 / h2o 20% at" not in page and "ended before the check did" not in page
+
+
+def test_a_run_cut_short_leaves_what_it_measured_on_disk(tmp_path, monkeypatch):
+    """Each finished part is written at once: a run stopped by its time limit (here an
+    interrupt in the kernels' part, which no part catches) leaves the parts before it."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu.gpu_kernels, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["gpu", "--device", "cpu", "--tiny", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["complete"] is False and result["passed"] is True
+    (model,) = result["models"]
+    assert [c["name"] for c in model["checks"]] == CHECKS[:-1]
+    assert len(model["decode"]) == len(CACHES) + 1 and model["prefill"] and model["kernels"] == []
+    assert {r["cache"] for r in model["serving"]} == set(CACHES) and len(model["largest_batch"]) == 3
+    page = (tmp_path / "gpu.md").read_text()
+    assert "**Written while the run went on: it ended before the check did**" in page
+    assert "| full |" in page and "Loading a saved model" not in page
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return gpu_models.build(gpu_models.SHAPES["tiny"], torch.device("cpu"))

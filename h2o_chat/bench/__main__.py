@@ -242,6 +242,7 @@ def _one_page(name: str, title: str, run: Callable[[Bench], dict], plot: Callabl
 
 _QUALITY = Comparison("quality", _measure_quality, _quality_pages)
 # Each comparison by the names that select it, in the order they run.
+GPU_TITLE = "The GPU check: correctness, decode, serving and prefill on the device"
 TABLE: dict[str, Comparison] = {
     "streaming": _QUALITY,
     "continuation": _QUALITY,
@@ -300,8 +301,8 @@ TABLE: dict[str, Comparison] = {
         lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,
                            torch.get_num_threads(), b.args.out, log=log),
         peer.plot, peer.markdown),
-    "gpu": Comparison("gpu", lambda b: ("gpu", _run_gpu(b.args)), lambda b, result: [
-        ("gpu", "The GPU check: correctness, decode, serving and prefill on the device", gpu.markdown(result))]),
+    "gpu": Comparison("gpu", lambda b: ("gpu", _run_gpu(b.args)),
+                      lambda b, result: [("gpu", GPU_TITLE, gpu.markdown(result))]),
 }
 COMPARISONS = list(TABLE)
 # Left out of "all": gpu builds models of its own, sized for a GPU; peer needs llama.cpp
@@ -311,7 +312,14 @@ ON_REQUEST = {"gpu", "peer"}
 
 def _run_gpu(args: argparse.Namespace) -> dict:
     plan = gpu.PLANS["tiny" if args.tiny else "full"]
-    return gpu.run(args.gpu_models.split(","), plan, torch.device(args.device), log=log)
+    machine = report.machine_info()
+
+    def save(partial: dict) -> None:
+        # Each finished part is on disk at once: a lent GPU's time limit may cut the run.
+        report.write_json(args.out, "gpu", partial | {"machine": machine})
+        report.write_markdown(args.out, "gpu", GPU_TITLE, gpu.markdown(partial), machine)
+
+    return gpu.run(args.gpu_models.split(","), plan, torch.device(args.device), log=log, progress=save)
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,12 @@ Then a small random model saved as a model folder is loaded back through ``load_
 with every placement the device allows, CUDA-only ones included (``device_map``,
 bitsandbytes), see ``gpu_loading.py``; those that cannot run are listed with why.
 
+A lent GPU's minutes cannot rerun anything, so every part (each correctness check, each
+cache's decode and serving runs, prefill, the kernels, each loading placement) that raises
+becomes a failed check naming the error, and the parts after it still run; and the result
+so far is written (``gpu.json``, ``gpu.md``) after every part, so a run its time limit cuts
+leaves what it measured.
+
 ``--tiny`` runs the same on a tiny model with small sizes in seconds (``make test`` does,
 on the CPU), so the check cannot rot between GPU runs.
 """
@@ -253,7 +259,7 @@ class Rows:
 def cache_configs(model, history: int, share: float) -> list[tuple[str, Callable]]:
     """The caches compared at ``history`` tokens, by label."""
     budget = h2o_budgets(max(gpu_checks.SINK + 2, int(history * share)))
-    label = f"h2o {share:.0%}"
+    label = h2o_label(share)
     return [("full", lambda: make_cache(model, "full")),
             (label, lambda: make_cache(model, "h2o", **budget)),
             *((f"{label} {design}", lambda storage=storage: make_cache(model, "h2o", **storage, **budget))
@@ -279,75 +285,63 @@ def unlike(model, make: Callable, plan: Plan, count: int, device: torch.device) 
     return rows
 
 
-def measure_decode(model, plan: Plan, device: torch.device, freed: Freed, log) -> list[dict]:
-    """One conversation: each cache through the scheduler's step, and stock ``DynamicCache``
-    through the model's own decode loop."""
-    rows = []
-    ids = random_ids(model, plan.history, device, seed=plan.history)
-    for name, make in [*cache_configs(model, plan.history, plan.share), ("stock DynamicCache", None)]:
-        with PeakMemory(device) as peak:
-            if make is None:
-                cache = DynamicCache(config=model.config)
-                logits = prefill(model, cache, ids, plan.chunk)
-                decode(model, cache, logits, 1)  # the first step grows the buffers
-                seconds = [decode(model, cache, logits, plan.decode_tokens) for _ in range(plan.repeats)]
-            else:
-                cache = make()
-                prefill(model, cache, ids, plan.chunk)
-                cache.fit_for_decoding()
-                one = Rows(model)
-                one.add(cache)
-                seconds = [one.timed(plan.decode_tokens, device, warm=3 if not index else 0)[0]
-                           for index in range(plan.repeats)]
-                one.close()
-        freed.watch(cache)
-        allocated, held_bytes, held = kv_numbers(cache)
-        rate = [plan.decode_tokens / s for s in seconds]
-        rows.append({"history": plan.history, "cache": name, "decode_tok_s": statistics.median(rate),
-                     "runs_tok_s": rate, "peak_mb": peak.peak / MB, "kv_allocated_mb": allocated / MB,
-                     "kv_held_mb": held_bytes / MB, "held": held})
-        del cache
+def decode_row(model, name: str, make: Callable | None, ids: torch.Tensor, plan: Plan, device: torch.device,
+               freed: Freed) -> dict:
+    """One conversation of ``ids`` on the cache ``make`` gives, through the scheduler's
+    step; ``make`` None: stock ``DynamicCache`` through the model's own decode loop."""
+    with PeakMemory(device) as peak:
+        if make is None:
+            cache = DynamicCache(config=model.config)
+            logits = prefill(model, cache, ids, plan.chunk)
+            decode(model, cache, logits, 1)  # the first step grows the buffers
+            seconds = [decode(model, cache, logits, plan.decode_tokens) for _ in range(plan.repeats)]
+        else:
+            cache = make()
+            prefill(model, cache, ids, plan.chunk)
+            cache.fit_for_decoding()
+            one = Rows(model)
+            one.add(cache)
+            seconds = [one.timed(plan.decode_tokens, device, warm=3 if not index else 0)[0]
+                       for index in range(plan.repeats)]
+            one.close()
+    freed.watch(cache)
+    allocated, held_bytes, held = kv_numbers(cache)
+    rate = [plan.decode_tokens / s for s in seconds]
+    return {"history": plan.history, "cache": name, "decode_tok_s": statistics.median(rate), "runs_tok_s": rate,
+            "peak_mb": peak.peak / MB, "kv_allocated_mb": allocated / MB, "kv_held_mb": held_bytes / MB, "held": held}
+
+
+def serve(model, name: str, make: Callable, search: bool, plan: Plan, device: torch.device, freed: Freed, log,
+          sweep: list[dict], costs: list[dict]) -> dict | None:
+    """The batch sweep of one cache into ``sweep`` (as each batch ends: a later failure
+    keeps it), what its steps cost into ``costs``, and its largest batch if ``search``."""
+    conversation = step_bytes = 0
+    for count in plan.batches:
+        rows = unlike(model, make, plan, count, device)
+        seconds, peak = rows.timed(plan.batch_steps, device)
+        if count in (plan.batches[0], plan.batches[-1]):
+            costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
+            log(f"  step cost {name} x {count}: {costs[-1]}")
+        caches = rows.caches
+        conversation = kv_numbers(caches[0])[0]
+        # What a step takes beyond the caches (activations, a captured graph's pool), from
+        # the allocator on CUDA; a CPU's resident memory moves too much to tell per row.
+        step_bytes = max(0, peak.peak - peak.start) / count if device.type == "cuda" else 0
+        sweep.append({"cache": name, "conversations": count, "history": plan.history,
+                      "aggregate_tok_s": count * plan.batch_steps / seconds, "per_row_tok_s": plan.batch_steps / seconds,
+                      "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
+                      "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
+                      "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB, "graphs": rows.graphs})
+        log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate ({rows.graphs})")
+        freed.watch(*caches)
+        rows.close()
+        del caches, rows
         freed.settle()
-    full = next(r["decode_tok_s"] for r in rows if r["cache"] == "full")
-    for row in rows:
-        row["vs_full"] = row["decode_tok_s"] / full
-    log("  decode: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s" for r in rows))
-    return rows
-
-
-def measure_serving(model, plan: Plan, device: torch.device, freed: Freed, log) -> tuple[list[dict], list[dict],
-                                                                                         list[dict]]:
-    """The batch sweep, what its steps cost, and the largest batch of the first
-    ``LARGEST_SEARCHED`` caches."""
-    sweep, costs, largest = [], [], []
-    for index, (name, make) in enumerate(cache_configs(model, plan.history, plan.share)):
-        conversation = step_bytes = 0
-        for count in plan.batches:
-            rows = unlike(model, make, plan, count, device)
-            seconds, peak = rows.timed(plan.batch_steps, device)
-            if count in (plan.batches[0], plan.batches[-1]):
-                costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
-                log(f"  step cost {name} x {count}: {costs[-1]}")
-            caches = rows.caches
-            conversation = kv_numbers(caches[0])[0]
-            # What a step takes beyond the caches (activations, a captured graph's pool), from
-            # the allocator on CUDA; a CPU's resident memory moves too much to tell per row.
-            step_bytes = max(0, peak.peak - peak.start) / count if device.type == "cuda" else 0
-            sweep.append({"cache": name, "conversations": count, "history": plan.history,
-                          "aggregate_tok_s": count * plan.batch_steps / seconds,
-                          "per_row_tok_s": plan.batch_steps / seconds,
-                          "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
-                          "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
-                          "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB, "graphs": rows.graphs})
-            log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate ({rows.graphs})")
-            freed.watch(*caches)
-            rows.close()
-            del caches, rows
-            freed.settle()
-        if index < LARGEST_SEARCHED:
-            largest.append(largest_batch(model, make, name, conversation, step_bytes, plan, device, freed))
-            log(f"  largest batch {name}: {largest[-1]}")
-    return sweep, costs, largest
+    if not search:
+        return None
+    largest = largest_batch(model, make, name, conversation, step_bytes, plan, device, freed)
+    log(f"  largest batch {name}: {largest}")
+    return largest
 
 
 def largest_batch(model, make: Callable, name: str, conversation: int, step_bytes: float, plan: Plan,
@@ -383,9 +377,9 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
     return result
 
 
-def measure_prefill(model, plan: Plan, device: torch.device, freed: Freed, log) -> list[dict]:
+def measure_prefill(model, plan: Plan, device: torch.device, freed: Freed, log, rows: list[dict]) -> None:
+    """Prefill tokens/s of the full cache and float h2o into ``rows``."""
     ids = random_ids(model, plan.prefill_tokens, device, seed=5)
-    rows = []
     for chunk in plan.prefill_chunks:
         for name, make in cache_configs(model, plan.prefill_tokens, plan.share)[:2]:
             with PeakMemory(device) as peak:
@@ -400,13 +394,15 @@ def measure_prefill(model, plan: Plan, device: torch.device, freed: Freed, log) 
             freed.settle()
         log(f"  prefill in {chunk}-token chunks: " + ", ".join(
             f"{r['cache']} {r['prefill_tok_s']:.0f} tok/s" for r in rows if r["chunk"] == chunk))
-    return rows
 
 
 # ---- the run -------------------------------------------------------------------------------
 
 
-def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
+def run_model(name: str, plan: Plan, device: torch.device, log, progress: Callable[[dict], None]) -> dict:
+    """The check on one model; ``progress`` is given the result as far as it goes after
+    each part (a run cut by its time limit still leaves what it measured). A part that
+    raises becomes a failed check and the parts after it still run."""
     started = time.perf_counter()
     if name == gpu_models.SMOLLM2:
         label, model = "SmolLM2-135M-Instruct, real weights", gpu_models.load_smollm2(device)
@@ -421,50 +417,99 @@ def run_model(name: str, plan: Plan, device: torch.device, log) -> dict:
     result = {"model": name, "label": label, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
               "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
               "fused_norms": fused["norms"], "fused_attentions": fused["attentions"], "fused_mlps": fused["mlps"],
-              "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None}
-    checks = gpu_checks.run(model, plan.check_context, plan.check_steps, plan.chunk, device)
+              "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None,
+              "decode": [], "serving": [], "step_costs": [], "largest_batch": [], "prefill": [], "kernels": []}
+    checks: list[Check] = []
+
+    def part(what: str, work: Callable):
+        value, failure = gpu_checks.attempt(f"{what} ran to its end", work)
+        if failure:
+            checks.append(failure)
+            log(f"  {verdict(False)} {failure.name}: {failure.measured}")
+        release(device)
+        return value
+
+    def report() -> None:
+        result["checks"] = [asdict(c) for c in checks]
+        progress(result)
+
     # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
-    for check in checks:
+    for check in part("the correctness checks", lambda: gpu_checks.run(
+            model, plan.check_context, plan.check_steps, plan.chunk, device)) or []:
+        checks.append(check)
         log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
-    release(device)
+    report()
     freed = Freed(device)
-    result["decode"] = measure_decode(model, plan, device, freed, log)
-    result["serving"], result["step_costs"], result["largest_batch"] = measure_serving(model, plan, device, freed, log)
-    result["prefill"] = measure_prefill(model, plan, device, freed, log)
-    result["kernels"] = gpu_kernels.run(model, plan.kernel_rows, int(plan.history * plan.share), device)
+    ids = random_ids(model, plan.history, device, seed=plan.history)
+    for cache_name, make in [*cache_configs(model, plan.history, plan.share), ("stock DynamicCache", None)]:
+        row = part(f"decode, {cache_name}", lambda: decode_row(model, cache_name, make, ids, plan, device, freed))
+        freed.settle()
+        result["decode"].extend([row] if row else [])
+    full = [r["decode_tok_s"] for r in result["decode"] if r["cache"] == "full"]
+    for row in result["decode"]:
+        row["vs_full"] = row["decode_tok_s"] / full[0] if full else None
+    log("  decode: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s" for r in result["decode"]))
+    del ids
+    report()
+    for index, (cache_name, make) in enumerate(cache_configs(model, plan.history, plan.share)):
+        largest = part(f"serving, {cache_name}", lambda: serve(
+            model, cache_name, make, index < LARGEST_SEARCHED, plan, device, freed, log, result["serving"],
+            result["step_costs"]))
+        freed.settle()
+        result["largest_batch"].extend([largest] if largest else [])
+        report()
+    part("prefill", lambda: measure_prefill(model, plan, device, freed, log, result["prefill"]))
+    freed.settle()
+    report()
+    result["kernels"] = part("the kernels alone", lambda: gpu_kernels.run(
+        model, plan.kernel_rows, int(plan.history * plan.share), device)) or []
     for row in result["kernels"]:
         log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
-    release(device)
     freed_check = freed.check()
+    checks.append(freed_check)
     log(f"  {verdict(freed_check.passed)} {freed_check.name}: {freed_check.measured}")
-    result["checks"] = [asdict(c) for c in [*checks, freed_check]]
     result["seconds"] = round(time.perf_counter() - started, 1)
+    report()
     del model
     release(device)
     return result
 
 
-def run(model_names: list[str], plan: Plan, device: torch.device, log=print) -> dict:
-    """The check on each of ``model_names`` (``gpu_models.MODEL_NAMES``)."""
+def run(model_names: list[str], plan: Plan, device: torch.device, log=print,
+        progress: Callable[[dict], None] = lambda result: None) -> dict:
+    """The check on each of ``model_names`` (``gpu_models.MODEL_NAMES``); ``progress`` is
+    given the whole result as far as it goes (``complete`` False) after each part."""
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available here (no GPU, or a CPU-only torch); "
                          "use --device cpu --tiny for the CPU variant")
     models, skipped = [], []
+
+    def summary(current: list[dict], loading: list[Check], branches: list[dict], complete: bool) -> dict:
+        checks = [c["passed"] for m in current for c in m.get("checks", [])] + [c.passed for c in loading]
+        return {"device": str(device), "device_name": device_name(device), "plan": asdict(plan),
+                "models": current, "skipped": skipped, "loading": [asdict(c) for c in loading],
+                "loading_branches": branches, "complete": complete,
+                "passed": all(passed for passed in checks if passed is not None)}
+
     for name in model_names:
         why = gpu_models.smollm2_missing() if name == gpu_models.SMOLLM2 else None
         if why:
             skipped.append({"model": name, "why": why})
             log(f"gpu check: {name} skipped: {why}")
             continue
-        models.append(run_model(name, plan, device, log))
-    loading, branches = gpu_loading.run(device)
+        model, failure = gpu_checks.attempt(f"{name}: the model built and checked", lambda: run_model(
+            name, plan, device, log, lambda current: progress(summary([*models, current], [], [], False))))
+        if failure:
+            log(f"  {verdict(False)} {failure.name}: {failure.measured}")
+            release(device)
+        models.append(model or {"model": name, "label": name, "checks": [asdict(failure)]})
+        progress(summary(models, [], [], False))
+    loaded, failure = gpu_checks.attempt("loading a saved model through load_model ran to its end",
+                                         lambda: gpu_loading.run(device))
+    loading, branches = loaded or ([failure], [])
     for check in loading:
         log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
-    checks = [c["passed"] for m in models for c in m["checks"]] + [c.passed for c in loading]
-    checks = [passed for passed in checks if passed is not None]
-    return {"device": str(device), "device_name": device_name(device), "plan": asdict(plan), "models": models,
-            "skipped": skipped, "loading": [asdict(c) for c in loading], "loading_branches": branches,
-            "passed": all(checks)}
+    return summary(models, loading, branches, True)
 
 
 def device_name(device: torch.device) -> str:
@@ -478,28 +523,33 @@ def verdict(passed: bool | None) -> str:
     return {True: "pass", False: "FAIL", None: "measured"}[passed]
 
 
-def ratios(model: dict) -> list[str]:
-    """The issue's GPU targets, from one model's run."""
-    decode = {r["cache"]: r["decode_tok_s"] for r in model["decode"]}
-    serving = {(r["cache"], r["conversations"]): r["aggregate_tok_s"] for r in model["serving"]}
-    largest = {r["cache"]: r for r in model["largest_batch"]}
-    lines = ["one conversation: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in decode.items())]
-    names = list(dict.fromkeys(name for name, _ in serving))
-    full, h2o = names[:2]
-    most = max(n for _, n in serving)
-    lines.append(f"{most} conversations: " + ", ".join(f"{name} {serving[name, most]:.0f} tok/s aggregate"
-                                                     for name in names if (name, most) in serving))
+def h2o_label(share: float) -> str:
+    return f"h2o {share:.0%}"
+
+
+def ratios(model: dict, share: float) -> list[str]:
+    """The issue's GPU targets, from one model's run (those its finished parts give)."""
+    full, h2o = "full", h2o_label(share)
+    decode = {r["cache"]: r["decode_tok_s"] for r in model.get("decode", [])}
+    serving = {(r["cache"], r["conversations"]): r["aggregate_tok_s"] for r in model.get("serving", [])}
+    largest = {r["cache"]: r["aggregate_tok_s"] for r in model.get("largest_batch", [])}
+    lines = []
+    if decode:
+        lines.append("one conversation: " + ", ".join(f"{name} {rate:.0f} tok/s" for name, rate in decode.items()))
+    if serving:
+        most = max(n for _, n in serving)
+        lines.append(f"{most} conversations: " + ", ".join(f"{name} {rate:.0f} tok/s aggregate"
+                                                         for (name, n), rate in serving.items() if n == most))
     for design, (_, target) in QUANTIZED.items():
         quantized = f"{h2o} {design}"
         for count in sorted({n for _, n in serving}):
             if (quantized, count) in serving and (h2o, count) in serving:
                 lines.append(f"{quantized} / {h2o} at {count} conversations: "
                              f"{serving[quantized, count] / serving[h2o, count]:.2f}x (target >= {target}x)")
-    if largest[full]["aggregate_tok_s"] and largest[h2o]["aggregate_tok_s"]:
-        lines.append(f"largest batch that fits: {h2o} {largest[h2o]['confirmed']} rows "
-                     f"{largest[h2o]['aggregate_tok_s']:.0f} tok/s, {full} {largest[full]['confirmed']} rows "
-                     f"{largest[full]['aggregate_tok_s']:.0f} tok/s: "
-                     f"{largest[h2o]['aggregate_tok_s'] / largest[full]['aggregate_tok_s']:.2f}x (target >= 3x)")
+    if largest.get(full) and largest.get(h2o):
+        rows = {r["cache"]: r["confirmed"] for r in model["largest_batch"]}
+        lines.append(f"largest batch that fits: {h2o} {rows[h2o]} rows {largest[h2o]:.0f} tok/s, {full} {rows[full]} "
+                     f"rows {largest[full]:.0f} tok/s: {largest[h2o] / largest[full]:.2f}x (target >= 3x)")
     return lines
 
 
@@ -507,47 +557,54 @@ def markdown(result: dict) -> str:
     blocks = [f"Device: {result['device_name']}. Random weights measure speed, memory and equality, "
               "not the quality of the text. Every decode step but stock DynamicCache's is the scheduler's "
               "(one batched step for every row, replayed as a CUDA graph on a GPU)."]
+    if not result["complete"]:
+        blocks.append("**Written while the run went on: it ended before the check did** (its time limit, or the "
+                      "process stopped). The parts below are those that finished.")
+    cuda = result["device"].startswith("cuda")
     for m in result["models"]:
+        if "layers" not in m:  # the model could not be built or checked
+            blocks.append(f"### {m['label']}")
+            blocks.append(md_table(["check", "result", "measured"],
+                                   [[c["name"], verdict(c["passed"]), c["measured"]] for c in m["checks"]]))
+            continue
         blocks.append(f"### {m['label']}\n\n{m['layers']} layers, {m['hidden']} hidden, {m['heads']} query heads, "
-                      f"{m['kv_heads']} KV heads, {m['dtype'].removeprefix('torch.')}"
-                      + (f", {m['fused_norms']} RMS norms fused" if "fused_norms" in m else "")
-                      + (f", {m['fused_attentions']} attentions and {m['fused_mlps']} MLPs with stacked projections"
-                         if "fused_attentions" in m else "")
+                      f"{m['kv_heads']} KV heads, {m['dtype'].removeprefix('torch.')}, {m['fused_norms']} RMS norms "
+                      f"fused, {m['fused_attentions']} attentions and {m['fused_mlps']} MLPs with stacked projections"
                       + (f", {m['weights_mb']:.0f} MiB of weights" if m["weights_mb"] else ""))
-        blocks.append(md_table(["check", "result", "measured"],
-                               [[c["name"], verdict(c["passed"]), c["measured"]] for c in m["checks"]]))
-        blocks.append(md_table(["history", "cache", "decode tok/s", "vs full", "peak memory MiB", "KV MiB allocated",
-                                "KV MiB in use"],
-                               [[r["history"], r["cache"], r["decode_tok_s"], f"{r['vs_full']:.2f}×", r["peak_mb"],
-                                 r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]))
-        blocks.append(md_table(["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated",
-                                "step MiB per row", "steps"],
-                               [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
-                                 r["step_mb_per_row"], r["graphs"]] for r in m["serving"]]))
-        cuda = result["device"].startswith("cuda")
-        blocks.append(md_table(
-            ["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
-            + (["kernels run", "launches", "GPU busy ms"] if cuda else []),
-            [[r["conversations"], r["cache"], r["ops"], r["host_reads"], r["wall_ms"]]
-             + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) for r in m["step_costs"]]))
-        blocks.append(md_table(["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation",
-                                "memory MiB", "steps"],
-                               [[r["cache"], r["projected"], r["confirmed"], r["aggregate_tok_s"], r["conversation_mb"],
-                                 r["memory_mb"], r["graphs"]] for r in m["largest_batch"]]))
-        blocks.append(md_table(["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
-                               [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]]
-                                for r in m["prefill"]]))
-        blocks.append(md_table(["kernel alone (one layer; eviction: every layer)", "path", "rows", "slots", "ms",
-                                "MiB of inputs", "GB/s of inputs"],
-                               [[r["what"], r["path"], r["rows"], r["slots"], f"{r['ms']:.3f}", f"{r['held_mb']:.1f}",
-                                 f"{r['gb_s']:.0f}"] for r in m["kernels"]]))
-        blocks.append("\n".join(f"- {line}" for line in ratios(m)))
-    blocks.append("### Loading a saved model through load_model\n\n" + md_table(
-        ["check", "result", "measured"],
-        [[c["name"], verdict(c["passed"]), c["measured"]] for c in result["loading"]]))
+        tables = [
+            (["check", "result", "measured"],
+             [[c["name"], verdict(c["passed"]), c["measured"]] for c in m.get("checks", [])]),
+            (["history", "cache", "decode tok/s", "vs full", "peak memory MiB", "KV MiB allocated", "KV MiB in use"],
+             [[r["history"], r["cache"], r["decode_tok_s"], "–" if r.get("vs_full") is None else f"{r['vs_full']:.2f}×",
+               r["peak_mb"], r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]),
+            (["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated", "step MiB per row",
+              "steps"],
+             [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
+               r["step_mb_per_row"], r["graphs"]] for r in m["serving"]]),
+            (["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
+             + (["kernels run", "launches", "GPU busy ms"] if cuda else []),
+             [[r["conversations"], r["cache"], r["ops"], r["host_reads"], r["wall_ms"]]
+              + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) for r in m["step_costs"]]),
+            (["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation", "memory MiB",
+              "steps"],
+             [[r["cache"], r["projected"], r["confirmed"], r["aggregate_tok_s"], r["conversation_mb"], r["memory_mb"],
+               r["graphs"]] for r in m["largest_batch"]]),
+            (["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
+             [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]] for r in m["prefill"]]),
+            (["kernel alone (one layer; eviction: every layer)", "path", "rows", "slots", "ms", "MiB of inputs",
+              "GB/s of inputs"],
+             [[r["what"], r["path"], r["rows"], r["slots"], f"{r['ms']:.3f}", f"{r['held_mb']:.1f}",
+               f"{r['gb_s']:.0f}"] for r in m["kernels"]])]
+        blocks.extend(md_table(header, rows) for header, rows in tables if rows)
+        lines = ratios(m, result["plan"]["share"])
+        blocks.extend(["\n".join(f"- {line}" for line in lines)] if lines else [])
+    if result["loading"]:
+        blocks.append("### Loading a saved model through load_model\n\n" + md_table(
+            ["check", "result", "measured"],
+            [[c["name"], verdict(c["passed"]), c["measured"]] for c in result["loading"]]))
     notes = [f"- {s['model']}: not run: {s['why']}" for s in result["skipped"]]
     notes += [f"- {b['branch']}: not run: {b['why_not']}" for b in result["loading_branches"] if not b["ran"]]
-    if result["device"] == "cpu":
+    if result["device"] == "cpu" and result["complete"]:
         notes.append("- model.device cuda and auto (device_map), model.quantization 8bit and 4bit "
                      "(bitsandbytes): not run: they need CUDA")
     blocks.extend(["\n".join(notes)] if notes else [])

@@ -27,9 +27,12 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -59,6 +62,16 @@ NEAR_TIES = 0.02
 # probabilities; the received mass stays float32 throughout.
 FUSED_OUTPUT_GAP = 0.01
 FUSED_MASS_GAP = 1e-4
+# Characters of an error's message a failed check keeps (a CUDA out-of-memory one runs long).
+MESSAGE_CHARS = 400
+
+T = TypeVar("T")
+# The checks' names, which a check that raised keeps.
+SDPA = "h2o (budget above the context) equals sdpa"
+BATCHED = "batched rows equal each row alone"
+CAPTURED = "a captured step equals an eager one"
+POSITIONS = "kept positions equal the CPU rule for the same scores"
+FUSED = "the fused decode attention equals the reference"
 
 
 @dataclass
@@ -67,6 +80,22 @@ class Check:
     passed: bool | None  # None: a measurement, with no verdict
     measured: str  # the figures the verdict rests on, in words
     details: dict = field(default_factory=dict)
+
+
+def attempt(name: str, work: Callable[[], T]) -> tuple[T | None, Check | None]:
+    """``work()``'s value, or None and a failed check ``name`` saying what it raised and
+    where. A GPU run has the few minutes of a lent machine: one part's error (a kernel that
+    does not build there, a library's missing branch) must not cost every part after it.
+    The check keeps text only, never the traceback, whose frames would keep the failed
+    part's caches allocated."""
+    try:
+        return work(), None
+    except Exception as error:  # reported as a failed check: the run's verdict fails
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        message = str(error)[:MESSAGE_CHARS]
+        return None, Check(name, False, f"raised {type(error).__name__}: {message} "
+                                        f"({Path(where.filename).name}:{where.lineno}, in {where.name})",
+                           {"error": type(error).__name__, "traceback": "".join(traceback.format_exception(error))})
 
 
 def logits_gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -132,7 +161,7 @@ def h2o_equals_sdpa(model, ids: torch.Tensor, context: int, chunk: int, toleranc
     with torch.inference_mode():
         for piece in _pieces(ids, context, chunk):
             gap = max(gap, logits_gap(_logits(model, scored, piece), _logits(model, full, piece)))
-    return Check("h2o (budget above the context) equals sdpa", gap <= tolerance,
+    return Check(SDPA, gap <= tolerance,
                  f"largest logit gap {gap:.4f} of the largest logit over {context} prompt tokens in "
                  f"{chunk}-token chunks and {steps} decode steps (tolerance {tolerance:.4f})",
                  {"gap": gap, "tolerance": tolerance, "context": context, "steps": steps})
@@ -185,7 +214,7 @@ def batched_rows_equal_alone(model, context: int, steps: int, chunk: int, device
                     for cache, token in zip(alone, tokens)]
             gap = max(gap, max(logits_gap(got, want) for got, want in zip(together, last)))
     same, sets = _same_positions(batched, alone)
-    return Check("batched rows equal each row alone", gap <= tolerance and _same_share(same, sets),
+    return Check(BATCHED, gap <= tolerance and _same_share(same, sets),
                  f"largest logit gap {gap:.4f} over {steps} decode steps of {len(rows)} rows "
                  f"({', '.join(f'{name} at {n}' for (name, _), n in zip(rows, lengths))} tokens; "
                  f"tolerance {tolerance:.4f}); kept positions identical in {same} of {sets} "
@@ -215,7 +244,7 @@ def captured_step_equals_eager(model, context: int, steps: int, chunk: int, devi
     if failure:
         how = f"capture failed ({failure}), every step eager"
     passed = gap <= tolerance and _same_share(same, sets) and (replays > 0 or not graphs) and failure is None
-    return Check("a captured step equals an eager one", passed,
+    return Check(CAPTURED, passed,
                  f"{how}: largest logit gap {gap:.4f} over {steps} steps of {len(rows)} rows from the "
                  f"eager unpadded step (tolerance {tolerance:.4f}); kept positions identical in {same} of {sets} sets",
                  {"gap": gap, "replays": replays, "failure": failure, "same_position_sets": same,
@@ -265,7 +294,7 @@ def kept_positions_equal_cpu_rule(model, context: int, chunk: int, device: torch
     chunk_same, chunk_sets = _evict_both(model, cache, ids[:, context : context + chunk])
     step_same, step_sets = _evict_both(model, cache, ids[:, -1:])
     passed = chunk_same == chunk_sets and step_same == step_sets
-    return Check("kept positions equal the CPU rule for the same scores", passed,
+    return Check(POSITIONS, passed,
                  f"identical in {chunk_same} of {chunk_sets} (layer, KV head) sets after a {chunk}-token "
                  f"chunk and {step_same} of {step_sets} after a decode step, {slots} slots, "
                  f"{context} tokens before",
@@ -312,7 +341,7 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
         gaps[label] = (logits_gap(output.float(), want), (received - probabilities.sum(dim=(2, 3))).abs().max().item())
         fused = fused and fused_decode_kernel(query, keys, values) is not None
     passed = all(output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP for output_gap, mass_gap in gaps.values())
-    return Check("the fused decode attention equals the reference", passed if fused else None,
+    return Check(FUSED, passed if fused else None,
                  f"{'fused kernel' if fused else 'no fused kernel on this device'}: "
                  + "; ".join(f"{label}: output gap {output_gap:.4f}, received mass gap {mass_gap:.2e}"
                              for label, (output_gap, mass_gap) in gaps.items())
@@ -329,9 +358,12 @@ def run(model, context: int, steps: int, chunk: int, device: torch.device) -> li
                      f"largest logit gap {noise:.4f} from the same weights in float32 (sdpa, full cache): "
                      f"the tolerance below is {NOISE_FACTOR:g} times that, at least {FLOOR:g}",
                      {"noise": noise, "tolerance": tolerance})
-    return [rounding,
-            h2o_equals_sdpa(model, ids, context, chunk, tolerance),
-            batched_rows_equal_alone(model, context, steps, chunk, device, tolerance),
-            captured_step_equals_eager(model, context, steps, chunk, device, tolerance),
-            kept_positions_equal_cpu_rule(model, context, chunk, device),
-            fused_decode_equals_reference(model, device)]
+    checks = [rounding]
+    for name, work in ((SDPA, lambda: h2o_equals_sdpa(model, ids, context, chunk, tolerance)),
+                       (BATCHED, lambda: batched_rows_equal_alone(model, context, steps, chunk, device, tolerance)),
+                       (CAPTURED, lambda: captured_step_equals_eager(model, context, steps, chunk, device, tolerance)),
+                       (POSITIONS, lambda: kept_positions_equal_cpu_rule(model, context, chunk, device)),
+                       (FUSED, lambda: fused_decode_equals_reference(model, device))):
+        check, failure = attempt(name, work)
+        checks.append(check or failure)
+    return checks

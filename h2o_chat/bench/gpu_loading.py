@@ -21,7 +21,7 @@ from h2o_chat.engine.build import make_cache
 from h2o_chat.loading import load_model
 
 from . import gpu_models
-from .gpu_checks import FLOOR, Check, h2o_budgets, logits_gap, random_ids
+from .gpu_checks import FLOOR, Check, attempt, h2o_budgets, logits_gap, random_ids
 
 PROMPT, STEPS, SLOTS = 48, 8, 24  # the loaded models read past their budget
 
@@ -68,16 +68,21 @@ def run(device: torch.device) -> tuple[list[Check], list[dict]]:
             branches.append({"branch": name, "ran": why_not is None, "why_not": why_not})
             if why_not:
                 continue
-            model, _ = load_model(ModelConfig(source=folder, device=place, dtype="bfloat16", quantization=quantization))
-            got, held = _decode(model, ids.to(model.device))
-            gap = logits_gap(got.to(want.device), want)
-            finite = bool(torch.isfinite(got).all())
-            # Quantized weights change the logits; they must still be numbers, with the cache bounded.
-            passed = finite and held == SLOTS and (quantization is not None or gap <= FLOOR)
-            checks.append(Check(f"loads and decodes: {name}", passed,
-                                f"logit gap {gap:.4f} from the saved model"
-                                + ("" if quantization else f" (at most {FLOOR:g})")
-                                + f", {held} of {SLOTS} slots held after {PROMPT + STEPS} tokens",
-                                {"gap": gap, "held": held, "finite": finite}))
-            del model
+            title = f"loads and decodes: {name}"
+            check, failure = attempt(title, lambda: _loads_and_decodes(folder, place, quantization, ids, want, title))
+            checks.append(check or failure)
     return checks, branches
+
+
+def _loads_and_decodes(folder: str, place: str, quantization: str | None, ids: torch.Tensor, want: torch.Tensor,
+                       title: str) -> Check:
+    model, _ = load_model(ModelConfig(source=folder, device=place, dtype="bfloat16", quantization=quantization))
+    got, held = _decode(model, ids.to(model.device))
+    gap = logits_gap(got.to(want.device), want)
+    finite = bool(torch.isfinite(got).all())
+    # Quantized weights change the logits; they must still be numbers, with the cache bounded.
+    passed = finite and held == SLOTS and (quantization is not None or gap <= FLOOR)
+    return Check(title, passed,
+                 f"logit gap {gap:.4f} from the saved model" + ("" if quantization else f" (at most {FLOOR:g})")
+                 + f", {held} of {SLOTS} slots held after {PROMPT + STEPS} tokens",
+                 {"gap": gap, "held": held, "finite": finite})
