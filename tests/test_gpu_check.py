@@ -71,7 +71,8 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
         (chunk, name) for chunk in plan.prefill_chunks for name in CACHES[:2]]
     # The kernels alone: on the CPU only the torch path each replaces runs, and is timed.
     assert [(r["what"], r["path"]) for r in model["kernels"]] == [
-        ("attention, float", "torch"), ("attention, K8/V4", "torch"), ("eviction, every layer", "torch")]
+        ("attention, float", "torch"), ("attention, float", "sdpa, no scores"), ("attention, K8/V4", "torch"),
+        ("eviction, every layer", "torch")]
     assert all(r["ms"] > 0 and r["rows"] == plan.kernel_rows and r["slots"] == int(plan.history * plan.share)
                for r in model["kernels"])
 

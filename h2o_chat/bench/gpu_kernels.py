@@ -5,7 +5,9 @@ worth and how its launch should be tuned.
 - **attention**: one layer's scored decode attention over ``rows`` rows of ``slots``
   live slots, slots as floats and as 8-bit keys and 4-bit values (codes read by the
   kernel; the torch path dequantizes a copy first, compiled as the engine does on CUDA),
-  the kernel at several launch settings (warps per program, pipeline stages);
+  the kernel at several launch settings (warps per program, pipeline stages), and float
+  slots read by torch's own fused attention, which keeps no scores: the pace a plain read
+  of the same bytes reaches there;
 - **eviction**: the choice of the slot to drop for every layer, row and KV head at once
   (``evict_kernel`` against ``selection``'s operations).
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from h2o_chat.engine import kernels
 from h2o_chat.engine.attention import scored_attention
@@ -30,6 +33,7 @@ from h2o_chat.engine.stored import StoredSlots
 
 # The attention kernel's launch settings tried: (warps, stages); Triton's default first.
 LAUNCHES = ((4, 3), (2, 2), (4, 1), (4, 2), (8, 2), (8, 3))
+PLAIN_READ = "sdpa, no scores"
 
 
 def timed(call: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -76,6 +80,12 @@ def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: 
             scores.add_(probabilities.sum(dim=(2, 3)))
 
         paths = [("torch", reference)]
+        if key_bits is None:
+            # The same keys and values read by torch's fused attention (flash on CUDA), which
+            # returns no scores: the pace a plain read of these bytes reaches, for the kernel's
+            # to be judged against. A group's query heads stand as its KV head's query rows.
+            grouped = query.view(rows, kv_heads, heads // kv_heads, dim)
+            paths.append((PLAIN_READ, lambda: F.scaled_dot_product_attention(grouped, keys.data, values.data)))
         if kernel is not None and kernel.usable(query, keys, values):
             paths += [(f"kernel, {warps} warps, {stages} stages",
                        lambda launch=dict(num_warps=warps, num_stages=stages): kernel.scored_decode(
