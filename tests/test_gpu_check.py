@@ -159,6 +159,30 @@ def test_a_run_cut_short_leaves_what_it_measured_on_disk(tmp_path, monkeypatch):
     assert "| full |" in page and "Loading a saved model" not in page
 
 
+def test_only_the_parts_asked_for_run(tmp_path, capsys):
+    """A short device time may take only what a target needs (8B: one conversation)."""
+    assert main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", "checks,decode", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["parts"] == ["checks", "decode"] and result["complete"] and result["passed"]
+    (model,) = result["models"]
+    assert [c["name"] for c in model["checks"]] == CHECKS
+    assert [r["cache"] for r in model["decode"]] == [*CACHES, "stock DynamicCache"]
+    assert model["serving"] == model["largest_batch"] == model["prefill"] == model["kernels"] == []
+    assert result["loading"] == result["loading_branches"] == []
+    page = (tmp_path / "gpu.md").read_text()
+    assert "Parts run: checks, decode (of checks, decode, serving, largest, prefill, kernels, loading)." in page
+    assert "Loading a saved model" not in page and "they need CUDA" not in page
+    # Serving without the largest batch's search.
+    assert main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", "serving", "--out", str(tmp_path)]) == 0
+    (model,) = json.loads((tmp_path / "gpu.json").read_text())["models"]
+    assert len(model["serving"]) == len(CACHES) * len(gpu.PLANS["tiny"].batches) and model["largest_batch"] == []
+    assert [c["name"] for c in model["checks"]] == ["memory freed between runs"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", "decode,speed", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--gpu-parts: unknown ['speed']; choose from checks, decode, serving, largest" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return gpu_models.build(gpu_models.SHAPES["tiny"], torch.device("cpu"))

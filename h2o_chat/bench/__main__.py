@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gpu: a tiny model and small sizes, seconds on a CPU (what make test runs)")
     p.add_argument("--gpu-models", help=f"gpu: comma list of {', '.join(gpu_models.MODEL_NAMES)} "
                                         "(default 1b,8b,smollm2; tiny with --tiny)")
+    p.add_argument("--gpu-parts", default=",".join(gpu.PARTS),
+                   help=f"gpu: comma list of the parts to run, of {', '.join(gpu.PARTS)} (default all; a short "
+                        "device time may take only what a target needs, say checks,decode for 8b)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.mode].items():
         if getattr(args, key) is None:
@@ -125,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.gpu_models.split(",")) - set(gpu_models.MODEL_NAMES)
     if unknown:
         p.error(f"--gpu-models: unknown {sorted(unknown)}; choose from {', '.join(gpu_models.MODEL_NAMES)}")
+    args.gpu_parts = frozenset(_labels(args.gpu_parts))
+    if not args.gpu_parts or args.gpu_parts - set(gpu.PARTS):
+        p.error(f"--gpu-parts: unknown {sorted(args.gpu_parts - set(gpu.PARTS))}; choose from {', '.join(gpu.PARTS)}")
     args.out = args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
@@ -319,7 +325,8 @@ def _run_gpu(args: argparse.Namespace) -> dict:
         report.write_json(args.out, "gpu", partial | {"machine": machine})
         report.write_markdown(args.out, "gpu", GPU_TITLE, gpu.markdown(partial), machine)
 
-    return gpu.run(args.gpu_models.split(","), plan, torch.device(args.device), log=log, progress=save)
+    return gpu.run(args.gpu_models.split(","), plan, torch.device(args.device), args.gpu_parts, log=log,
+                   progress=save)
 
 
 def main(argv=None) -> int:

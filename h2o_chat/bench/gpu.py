@@ -113,6 +113,9 @@ QUANTIZED = {"K8/V4": (dict(key_bits=8, value_bits=4), 0.8),
 LARGEST_SEARCHED = 3
 # Steps a serving run takes beside its timed ones: three to warm up, one profiled.
 STEP_ROOM = 4
+# The check's parts, in the order they run; "largest" is the largest-batch search of
+# "serving", "loading" the load_model placements after every model.
+PARTS = ("checks", "decode", "serving", "largest", "prefill", "kernels", "loading")
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -399,7 +402,8 @@ def measure_prefill(model, plan: Plan, device: torch.device, freed: Freed, log, 
 # ---- the run -------------------------------------------------------------------------------
 
 
-def run_model(name: str, plan: Plan, device: torch.device, log, progress: Callable[[dict], None]) -> dict:
+def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str], log,
+              progress: Callable[[dict], None]) -> dict:
     """The check on one model; ``progress`` is given the result as far as it goes after
     each part (a run cut by its time limit still leaves what it measured). A part that
     raises becomes a failed check and the parts after it still run."""
@@ -433,38 +437,44 @@ def run_model(name: str, plan: Plan, device: torch.device, log, progress: Callab
         result["checks"] = [asdict(c) for c in checks]
         progress(result)
 
-    # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
-    for check in part("the correctness checks", lambda: gpu_checks.run(
-            model, plan.check_context, plan.check_steps, plan.chunk, device)) or []:
-        checks.append(check)
-        log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
-    report()
-    freed = Freed(device)
-    ids = random_ids(model, plan.history, device, seed=plan.history)
-    for cache_name, make in [*cache_configs(model, plan.history, plan.share), ("stock DynamicCache", None)]:
-        row = part(f"decode, {cache_name}", lambda: decode_row(model, cache_name, make, ids, plan, device, freed))
-        freed.settle()
-        result["decode"].extend([row] if row else [])
-    full = [r["decode_tok_s"] for r in result["decode"] if r["cache"] == "full"]
-    for row in result["decode"]:
-        row["vs_full"] = row["decode_tok_s"] / full[0] if full else None
-    log("  decode: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s" for r in result["decode"]))
-    del ids
-    report()
-    for index, (cache_name, make) in enumerate(cache_configs(model, plan.history, plan.share)):
-        largest = part(f"serving, {cache_name}", lambda: serve(
-            model, cache_name, make, index < LARGEST_SEARCHED, plan, device, freed, log, result["serving"],
-            result["step_costs"]))
-        freed.settle()
-        result["largest_batch"].extend([largest] if largest else [])
+    if "checks" in parts:
+        # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
+        for check in part("the correctness checks", lambda: gpu_checks.run(
+                model, plan.check_context, plan.check_steps, plan.chunk, device)) or []:
+            checks.append(check)
+            log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
         report()
-    part("prefill", lambda: measure_prefill(model, plan, device, freed, log, result["prefill"]))
-    freed.settle()
-    report()
-    result["kernels"] = part("the kernels alone", lambda: gpu_kernels.run(
-        model, plan.kernel_rows, int(plan.history * plan.share), device)) or []
-    for row in result["kernels"]:
-        log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
+    freed = Freed(device)
+    configs = cache_configs(model, plan.history, plan.share)
+    if "decode" in parts:
+        ids = random_ids(model, plan.history, device, seed=plan.history)
+        for cache_name, make in [*configs, ("stock DynamicCache", None)]:
+            row = part(f"decode, {cache_name}", lambda: decode_row(model, cache_name, make, ids, plan, device, freed))
+            freed.settle()
+            result["decode"].extend([row] if row else [])
+        full = [r["decode_tok_s"] for r in result["decode"] if r["cache"] == "full"]
+        for row in result["decode"]:
+            row["vs_full"] = row["decode_tok_s"] / full[0] if full else None
+        log("  decode: " + ", ".join(f"{r['cache']} {r['decode_tok_s']:.1f} tok/s" for r in result["decode"]))
+        del ids
+        report()
+    if "serving" in parts:
+        for index, (cache_name, make) in enumerate(configs):
+            search = index < LARGEST_SEARCHED and "largest" in parts
+            largest = part(f"serving, {cache_name}", lambda: serve(
+                model, cache_name, make, search, plan, device, freed, log, result["serving"], result["step_costs"]))
+            freed.settle()
+            result["largest_batch"].extend([largest] if largest else [])
+            report()
+    if "prefill" in parts:
+        part("prefill", lambda: measure_prefill(model, plan, device, freed, log, result["prefill"]))
+        freed.settle()
+        report()
+    if "kernels" in parts:
+        result["kernels"] = part("the kernels alone", lambda: gpu_kernels.run(
+            model, plan.kernel_rows, int(plan.history * plan.share), device)) or []
+        for row in result["kernels"]:
+            log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
     freed_check = freed.check()
     checks.append(freed_check)
     log(f"  {verdict(freed_check.passed)} {freed_check.name}: {freed_check.measured}")
@@ -475,10 +485,11 @@ def run_model(name: str, plan: Plan, device: torch.device, log, progress: Callab
     return result
 
 
-def run(model_names: list[str], plan: Plan, device: torch.device, log=print,
-        progress: Callable[[dict], None] = lambda result: None) -> dict:
-    """The check on each of ``model_names`` (``gpu_models.MODEL_NAMES``); ``progress`` is
-    given the whole result as far as it goes (``complete`` False) after each part."""
+def run(model_names: list[str], plan: Plan, device: torch.device, parts: frozenset[str] = frozenset(PARTS),
+        log=print, progress: Callable[[dict], None] = lambda result: None) -> dict:
+    """The check's ``parts`` (``PARTS``) on each of ``model_names``
+    (``gpu_models.MODEL_NAMES``); ``progress`` is given the whole result as far as it goes
+    (``complete`` False) after each part."""
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available here (no GPU, or a CPU-only torch); "
                          "use --device cpu --tiny for the CPU variant")
@@ -488,7 +499,8 @@ def run(model_names: list[str], plan: Plan, device: torch.device, log=print,
         checks = [c["passed"] for m in current for c in m.get("checks", [])] + [c.passed for c in loading]
         return {"device": str(device), "device_name": device_name(device), "plan": asdict(plan),
                 "models": current, "skipped": skipped, "loading": [asdict(c) for c in loading],
-                "loading_branches": branches, "complete": complete,
+                "loading_branches": branches, "parts": [part for part in PARTS if part in parts],
+                "complete": complete,
                 "passed": all(passed for passed in checks if passed is not None)}
 
     for name in model_names:
@@ -498,15 +510,17 @@ def run(model_names: list[str], plan: Plan, device: torch.device, log=print,
             log(f"gpu check: {name} skipped: {why}")
             continue
         model, failure = gpu_checks.attempt(f"{name}: the model built and checked", lambda: run_model(
-            name, plan, device, log, lambda current: progress(summary([*models, current], [], [], False))))
+            name, plan, device, parts, log, lambda current: progress(summary([*models, current], [], [], False))))
         if failure:
             log(f"  {verdict(False)} {failure.name}: {failure.measured}")
             release(device)
         models.append(model or {"model": name, "label": name, "checks": [asdict(failure)]})
         progress(summary(models, [], [], False))
-    loaded, failure = gpu_checks.attempt("loading a saved model through load_model ran to its end",
-                                         lambda: gpu_loading.run(device))
-    loading, branches = loaded or ([failure], [])
+    loading, branches = [], []
+    if "loading" in parts:
+        loaded, failure = gpu_checks.attempt("loading a saved model through load_model ran to its end",
+                                             lambda: gpu_loading.run(device))
+        loading, branches = loaded or ([failure], [])
     for check in loading:
         log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
     return summary(models, loading, branches, True)
@@ -560,6 +574,8 @@ def markdown(result: dict) -> str:
     if not result["complete"]:
         blocks.append("**Written while the run went on: it ended before the check did** (its time limit, or the "
                       "process stopped). The parts below are those that finished.")
+    if len(result["parts"]) < len(PARTS):
+        blocks.append(f"Parts run: {', '.join(result['parts'])} (of {', '.join(PARTS)}).")
     cuda = result["device"].startswith("cuda")
     for m in result["models"]:
         if "layers" not in m:  # the model could not be built or checked
@@ -604,7 +620,7 @@ def markdown(result: dict) -> str:
             [[c["name"], verdict(c["passed"]), c["measured"]] for c in result["loading"]]))
     notes = [f"- {s['model']}: not run: {s['why']}" for s in result["skipped"]]
     notes += [f"- {b['branch']}: not run: {b['why_not']}" for b in result["loading_branches"] if not b["ran"]]
-    if result["device"] == "cpu" and result["complete"]:
+    if result["device"] == "cpu" and result["complete"] and "loading" in result["parts"]:
         notes.append("- model.device cuda and auto (device_map), model.quantization 8bit and 4bit "
                      "(bitsandbytes): not run: they need CUDA")
     blocks.extend(["\n".join(notes)] if notes else [])
