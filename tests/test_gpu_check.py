@@ -183,6 +183,27 @@ def test_only_the_parts_asked_for_run(tmp_path, capsys):
     assert "--gpu-parts: unknown ['speed']; choose from checks, decode, serving, largest" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("after_runs, passed", [
+    ((64, 64, 64), True),  # the first run's workspaces stay, nothing after: freed
+    ((64, 64 + 8, 64 + 4), True),  # within the limit
+    ((64, 64 + 16, 64 + 32), False),  # each run leaves more: a leak
+    ((0, 0, 96), False),  # the last, largest run leaves its memory
+])
+def test_memory_freed_counts_from_where_the_first_run_left_it(monkeypatch, after_runs, passed):
+    """On CUDA the allocator's bytes after each run, against those after the first (MiB;
+    torch's allocator stood in for by the figures: the CPU has none)."""
+    readings = iter([0, *after_runs])
+    monkeypatch.setattr(gpu, "in_use", lambda device: next(readings) * gpu.MB)
+    freed = gpu.Freed(torch.device("cuda"))
+    for _ in after_runs:
+        freed.settle()
+    check = freed.check()
+    assert check.passed is passed
+    assert check.details["first_run_bytes"] == after_runs[0] * gpu.MB
+    assert check.details["leftover_bytes"] == max(after_runs) * gpu.MB - after_runs[0] * gpu.MB
+    assert f"the first run kept {after_runs[0]:.1f} MiB (first use)" in check.measured
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return gpu_models.build(gpu_models.SHAPES["tiny"], torch.device("cpu"))
