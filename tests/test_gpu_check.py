@@ -90,6 +90,10 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
         assert f"- h2o 20% K4/V4 +16 exact / h2o 20% at {count} conversations: " in page
     assert page.count("(target >= 0.8x)") == page.count("(target >= 0.9x)") == len(plan.batches)
     assert "FAIL" not in page and "not run: they need CUDA" in page
+    assert list(model["part_seconds"]) == [
+        "the correctness checks", *(f"decode, {name}" for name in [*CACHES, "stock DynamicCache"]),
+        *(f"serving, {name}" for name in CACHES), "prefill", "the kernels alone"]
+    assert all(seconds >= 0 for seconds in model["part_seconds"].values()) and "Seconds by part: " in page
 
 
 def fail_for(cache_name: str, real):

@@ -431,11 +431,15 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
               "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
               "fused_norms": fused["norms"], "fused_attentions": fused["attentions"], "fused_mlps": fused["mlps"],
               "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None,
-              "decode": [], "serving": [], "step_costs": [], "largest_batch": [], "prefill": [], "kernels": []}
+              "decode": [], "serving": [], "step_costs": [], "largest_batch": [], "prefill": [], "kernels": [],
+              "part_seconds": {}}
     checks: list[Check] = []
 
     def part(what: str, work: Callable):
+        # Each part's seconds: what the next run on a lent GPU plans its few minutes by.
+        begun = time.perf_counter()
         value, failure = gpu_checks.attempt(f"{what} ran to its end", work)
+        result["part_seconds"][what] = round(time.perf_counter() - begun, 1)
         if failure:
             checks.append(failure)
             log(f"  {verdict(False)} {failure.name}: {failure.measured}")
@@ -621,6 +625,8 @@ def markdown(result: dict) -> str:
              [[r["what"], r["path"], r["rows"], r["slots"], f"{r['ms']:.3f}", f"{r['held_mb']:.1f}",
                f"{r['gb_s']:.0f}"] for r in m["kernels"]])]
         blocks.extend(md_table(header, rows) for header, rows in tables if rows)
+        blocks.append("Seconds by part: " + "; ".join(f"{what} {seconds:g} s" for what, seconds
+                                                       in m["part_seconds"].items()) + ".")
         lines = ratios(m, result["plan"]["share"])
         blocks.extend(["\n".join(f"- {line}" for line in lines)] if lines else [])
     if result["loading"]:
