@@ -522,7 +522,7 @@ def run(model_names: list[str], plan: Plan, device: torch.device, parts: frozens
             skipped.append({"model": name, "why": why})
             log(f"gpu check: {name} skipped: {why}")
             continue
-        model, failure = gpu_checks.attempt(f"{name}: the model built and checked", lambda: run_model(
+        model, failure = gpu_checks.attempt(f"{name}: the model's check ran to its end", lambda: run_model(
             name, plan, device, parts, log, lambda current: progress(summary([*models, current], [], [], False))))
         if failure:
             log(f"  {verdict(False)} {failure.name}: {failure.measured}")
