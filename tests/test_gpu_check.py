@@ -185,6 +185,9 @@ def test_only_the_parts_asked_for_run(tmp_path, capsys):
         main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", "decode,speed", "--out", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--gpu-parts: unknown ['speed']; choose from checks, decode, serving, largest" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", " , ", "--out", str(tmp_path)])
+    assert "--gpu-parts: no part named; choose from checks, decode" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("after_runs, passed", [

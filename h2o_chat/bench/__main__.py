@@ -130,7 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--gpu-models: unknown {sorted(unknown)}; choose from {', '.join(gpu_models.MODEL_NAMES)}")
     args.gpu_parts = frozenset(_labels(args.gpu_parts))
     if not args.gpu_parts or args.gpu_parts - set(gpu.PARTS):
-        p.error(f"--gpu-parts: unknown {sorted(args.gpu_parts - set(gpu.PARTS))}; choose from {', '.join(gpu.PARTS)}")
+        unknown = sorted(args.gpu_parts - set(gpu.PARTS))
+        p.error(f"--gpu-parts: {f'unknown {unknown}' if unknown else 'no part named'}; choose from "
+                f"{', '.join(gpu.PARTS)}")
     args.out = args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
