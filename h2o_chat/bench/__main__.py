@@ -249,8 +249,8 @@ def _one_page(name: str, title: str, run: Callable[[Bench], dict], plot: Callabl
 
 
 _QUALITY = Comparison("quality", _measure_quality, _quality_pages)
-# Each comparison by the names that select it, in the order they run.
 GPU_TITLE = "The GPU check: correctness, decode, serving and prefill on the device"
+# Each comparison by the names that select it, in the order they run.
 TABLE: dict[str, Comparison] = {
     "streaming": _QUALITY,
     "continuation": _QUALITY,

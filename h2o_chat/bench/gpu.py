@@ -435,7 +435,9 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
               "part_seconds": {}}
     checks: list[Check] = []
 
-    def part(what: str, work: Callable):
+    def part(what: str, work: Callable, settle: Callable[[], None]):
+        """``work()`` as one part, then ``settle()`` (outside the part's ``except``, whose
+        traceback holds the failed part's caches)."""
         # Each part's seconds: what the next run on a lent GPU plans its few minutes by.
         begun = time.perf_counter()
         value, failure = gpu_checks.attempt(f"{what} ran to its end", work)
@@ -443,7 +445,7 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
         if failure:
             checks.append(failure)
             log(f"  {verdict(False)} {failure.name}: {failure.measured}")
-        release(device)
+        settle()
         return value
 
     def report() -> None:
@@ -453,7 +455,7 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
     if "checks" in parts:
         # Logged at once: a run cut short by its time limit still tells the checks' verdicts.
         for check in part("the correctness checks", lambda: gpu_checks.run(
-                model, plan.check_context, plan.check_steps, plan.chunk, device)) or []:
+                model, plan.check_context, plan.check_steps, plan.chunk, device), lambda: release(device)) or []:
             checks.append(check)
             log(f"  {verdict(check.passed)} {check.name}: {check.measured}")
         report()
@@ -462,8 +464,8 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
     if "decode" in parts:
         ids = random_ids(model, plan.history, device, seed=plan.history)
         for cache_name, make in [*configs, ("stock DynamicCache", None)]:
-            row = part(f"decode, {cache_name}", lambda: decode_row(model, cache_name, make, ids, plan, device, freed))
-            freed.settle()
+            row = part(f"decode, {cache_name}", lambda: decode_row(model, cache_name, make, ids, plan, device, freed),
+                       freed.settle)
             result["decode"].extend([row] if row else [])
         full = [r["decode_tok_s"] for r in result["decode"] if r["cache"] == "full"]
         for row in result["decode"]:
@@ -475,17 +477,16 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
         for index, (cache_name, make) in enumerate(configs):
             search = index < LARGEST_SEARCHED and "largest" in parts
             largest = part(f"serving, {cache_name}", lambda: serve(
-                model, cache_name, make, search, plan, device, freed, log, result["serving"], result["step_costs"]))
-            freed.settle()
+                model, cache_name, make, search, plan, device, freed, log, result["serving"], result["step_costs"]),
+                freed.settle)
             result["largest_batch"].extend([largest] if largest else [])
             report()
     if "prefill" in parts:
-        part("prefill", lambda: measure_prefill(model, plan, device, freed, log, result["prefill"]))
-        freed.settle()
+        part("prefill", lambda: measure_prefill(model, plan, device, freed, log, result["prefill"]), freed.settle)
         report()
     if "kernels" in parts:
         result["kernels"] = part("the kernels alone", lambda: gpu_kernels.run(
-            model, plan.kernel_rows, int(plan.history * plan.share), device)) or []
+            model, plan.kernel_rows, int(plan.history * plan.share), device), lambda: release(device)) or []
         for row in result["kernels"]:
             log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
     freed_check = freed.check()
