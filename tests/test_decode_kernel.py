@@ -53,7 +53,10 @@ def stored(bits, name, windowed):
     return StoredSlots(codec, buffers, name, entries if windowed else None, new, at)
 
 
-for key_bits, value_bits, windowed in ((None, None, False), (8, 4, True), (4, 8, False)):
+# Read whole, and in 3 parts of 64 slots (a row's live slots may end before its last
+# parts begin, or hold none of them).
+for key_bits, value_bits, windowed, splits in ((None, None, False, 1), (None, None, False, 3), (8, 4, True, 1),
+                                               (8, 4, True, 3), (4, 8, False, 2)):
     keys, values = stored(key_bits, "keys", windowed), stored(value_bits, "values", windowed)
     query = torch.randn(rows, kv_heads * groups, 1, dim, dtype=torch.float16)
     live = torch.arange(slots) < lengths[:, None]
@@ -61,7 +64,7 @@ for key_bits, value_bits, windowed in ((None, None, False), (8, 4, True), (4, 8,
     scores = torch.rand(rows, kv_heads, slots + 7)[:, :, :slots]
     before = scores.clone()
     counted = torch.rand(rows, kv_heads, slots) < 0.7 if windowed else None
-    output = decode_kernel.scored_decode(query, keys, values, lengths, dim ** -0.5, scores, counted)
+    output = decode_kernel.scored_decode(query, keys, values, lengths, dim ** -0.5, scores, counted, splits=splits)
     want, probabilities = scored_attention(query.float(), keys.read(torch.float16).float(),
                                            values.read(torch.float16).float(), live[:, None, None, :], dim ** -0.5)
     received = scores - before
@@ -72,7 +75,7 @@ for key_bits, value_bits, windowed in ((None, None, False), (8, 4, True), (4, 8,
     assert not output[4].any() and not received[4].any()
     if counted is None:
         torch.testing.assert_close(received.sum(-1)[:4], torch.full((4, kv_heads), float(groups)))
-    print("same", key_bits, value_bits, windowed)
+    print("same", key_bits, value_bits, windowed, splits)
 """
 
 
@@ -80,4 +83,16 @@ def test_fused_decode_kernel_equals_scored_attention_in_the_interpreter() -> Non
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=os.environ | {"TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:-1] == ["same None None False", "same 8 4 True", "same 4 8 False"]
+    assert result.stdout.split("\n")[:-1] == ["same None None False 1", "same None None False 3", "same 8 4 True 1",
+                                              "same 8 4 True 3", "same 4 8 False 2"]
+
+
+def test_rows_too_few_to_fill_the_gpu_split_their_slots() -> None:
+    from h2o_chat.engine.decode_kernel import BLOCK, split_count
+
+    # An H200's 132 multiprocessors, a 1B model's 8 KV heads, 820 slots (h2o 20% of 4,096).
+    assert split_count(1, 8, 820, 132) == 13  # every block of slots its own program
+    assert split_count(16, 8, 820, 132) == 3  # 384 programs for 264 wanted
+    assert split_count(33, 8, 820, 132) == 1  # 264 programs: two a multiprocessor already
+    assert split_count(1, 8, BLOCK, 132) == 1  # one block: nothing to split
+    assert split_count(1, 8, 820, 0) == 1  # off CUDA

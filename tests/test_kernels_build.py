@@ -96,12 +96,12 @@ ATTENTION = [
 
 
 def attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, groups, turns,
-                       launch: dict | None = None) -> list:
+                       launch: dict | None = None, splits: int = 1) -> list:
     """The (kernel, arguments, keywords) of each launch one scored decode makes."""
     rows, kv_heads, slots = 3, 2, 100
-    attend, add_received = Launches(decode_kernel._attend), Launches(decode_kernel._add_received)
+    attend, finish = Launches(decode_kernel._attend), Launches(decode_kernel._finish)
     monkeypatch.setattr(decode_kernel, "_attend", attend)
-    monkeypatch.setattr(decode_kernel, "_add_received", add_received)
+    monkeypatch.setattr(decode_kernel, "_finish", finish)
     query = torch.zeros(rows, kv_heads * groups, 1, dim, dtype=dtype)
     new = torch.zeros(rows, kv_heads, dim, dtype=dtype)
     keys, values = (stored(bits, name, (rows, kv_heads, slots), dim, dtype, ring, new)
@@ -110,8 +110,8 @@ def attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, grou
     scores = torch.zeros(rows, kv_heads, slots)
     counted = torch.ones(rows, kv_heads, slots, dtype=torch.bool) if turns else None
     decode_kernel.scored_decode(query, keys, values, torch.full((rows,), slots), dim**-0.5, scores, counted,
-                                launch=launch)
-    return [(launches.kernel, *call) for launches in (attend, add_received) for call in launches.calls]
+                                launch=launch, splits=splits)
+    return [(launches.kernel, *call) for launches in (attend, finish) for call in launches.calls]
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
@@ -119,7 +119,17 @@ def attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, grou
 def test_the_fused_decode_attention_builds_for_the_gpu(monkeypatch, capability, key_bits, value_bits, ring, dtype,
                                                       dim, groups, turns):
     launches = attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, groups, turns)
-    assert [kernel.fn.__name__ for kernel, _, _ in launches] == ["_attend", "_add_received"]
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == ["_attend", "_finish"]
+    for kernel, args, kwargs in launches:
+        assert build(kernel, args, kwargs, capability).asm["cubin"]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES.values(), ids=CAPABILITIES.keys())
+@pytest.mark.parametrize("key_bits, value_bits, ring, dtype, dim, groups, turns", [ATTENTION[0], ATTENTION[3]])
+def test_the_fused_decode_attention_in_parts_builds_for_the_gpu(monkeypatch, capability, key_bits, value_bits, ring,
+                                                               dtype, dim, groups, turns):
+    launches = attention_launches(monkeypatch, key_bits, value_bits, ring, dtype, dim, groups, turns, splits=2)
+    assert [kwargs["SPLIT"] for _, _, kwargs in launches] == [True, True]
     for kernel, args, kwargs in launches:
         assert build(kernel, args, kwargs, capability).asm["cubin"]
 

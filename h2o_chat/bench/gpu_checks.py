@@ -341,13 +341,18 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
         gaps[label] = (logits_gap(output.float(), want), (received - probabilities.sum(dim=(2, 3))).abs().max().item())
         fused = fused and fused_decode_kernel(query, keys, values) is not None
     passed = all(output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP for output_gap, mass_gap in gaps.values())
+    kernel = fused_decode_kernel(query, keys, values)
+    # On a GPU of many multiprocessors so few rows read their slots in parts (flash-decoding's split).
+    parts = kernel.split_count(rows, kv_heads, slots, kernel.processors(device)) if kernel is not None else 1
+    how = (f"fused kernel, each row's slots read {'whole' if parts == 1 else f'in {parts} parts'}" if fused
+           else "no fused kernel on this device")
     return Check(FUSED, passed if fused else None,
-                 f"{'fused kernel' if fused else 'no fused kernel on this device'}: "
+                 f"{how}: "
                  + "; ".join(f"{label}: output gap {output_gap:.4f}, received mass gap {mass_gap:.2e}"
                              for label, (output_gap, mass_gap) in gaps.items())
                  + f" (at most {FUSED_OUTPUT_GAP} and {FUSED_MASS_GAP:g}) over {rows} rows of "
                  f"{', '.join(map(str, lengths))} live slots of {slots}, the newest token as given",
-                 {"gaps": gaps, "fused": fused})
+                 {"gaps": gaps, "fused": fused, "parts": parts})
 
 
 def run(model, context: int, steps: int, chunk: int, device: torch.device) -> list[Check]:

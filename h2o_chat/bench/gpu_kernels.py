@@ -7,7 +7,8 @@ worth and how its launch should be tuned.
   kernel; the torch path dequantizes a copy first, compiled as the engine does on CUDA),
   the kernel at several launch settings (warps per program, pipeline stages), and float
   slots read by torch's own fused attention, which keeps no scores: the pace a plain read
-  of the same bytes reaches there;
+  of the same bytes reaches there; and at few rows (1 and 16), the kernel with each
+  row's slots read whole and in the parts it splits them into there;
 - **eviction**: the choice of the slot to drop for every layer, row and KV head at once
   (``evict_kernel`` against ``selection``'s operations).
 
@@ -98,6 +99,32 @@ def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: 
     return results
 
 
+def split_rows(model, slots: int, device: torch.device, repeats: int, counts: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """The attention kernel at few rows, each (row, KV head)'s slots read by one program
+    and in the parts ``decode_kernel.split_count`` gives there: what splitting is worth
+    where the rows alone cannot fill the GPU. Nothing off the kernels' devices."""
+    kernel = kernels.load("decode_kernel", device)
+    if kernel is None:
+        return []
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    results = []
+    for rows in counts:
+        lengths = torch.full((rows,), slots, dtype=torch.long, device=device)
+        query = torch.randn(rows, heads, 1, dim, dtype=model.dtype, device=device)
+        scores = torch.zeros((rows, kv_heads, slots), dtype=torch.float32, device=device)
+        keys, values = (StoredSlots.plain(torch.randn(rows, kv_heads, slots, dim, dtype=model.dtype, device=device))
+                        for _ in range(2))
+        held = _held_bytes(keys.data, values.data)
+        for splits in sorted({1, kernel.split_count(rows, kv_heads, slots, kernel.processors(device))}):
+            ms = timed(lambda: kernel.scored_decode(query, keys, values, lengths, dim ** -0.5, scores, splits=splits),
+                       device, repeats)
+            results.append({"what": "attention, float", "path": f"kernel, {splits} part{'s' * (splits > 1)} a row",
+                            "rows": rows, "slots": slots, "ms": ms, "held_mb": held / 2**20, "gb_s": held / ms / 1e6})
+    return results
+
+
 def eviction_rows(model, rows: int, slots: int, device: torch.device, repeats: int) -> list[dict]:
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     shape = (layers, rows, kv_heads, slots)
@@ -129,5 +156,5 @@ def eviction_rows(model, rows: int, slots: int, device: torch.device, repeats: i
 def run(model, rows: int, slots: int, device: torch.device, repeats: int = 10) -> list[dict]:
     """The table's rows for ``model``'s shapes at ``rows`` rows of ``slots`` slots."""
     with torch.inference_mode():
-        return attention_rows(model, rows, slots, device, repeats) + eviction_rows(model, rows, slots, device,
-                                                                                   repeats)
+        return (attention_rows(model, rows, slots, device, repeats) + split_rows(model, slots, device, repeats)
+                + eviction_rows(model, rows, slots, device, repeats))

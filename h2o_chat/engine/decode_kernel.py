@@ -10,7 +10,11 @@ Per (row, KV head) one program walks the row's live slots in blocks with an onli
 softmax (the running maximum and sum of each query head of the group), accumulating
 the output, and writes the raw logits aside; a second kernel turns those into the
 probabilities' column sums with the final maxima and sums and adds them to the slots'
-scores (a pass and a kernel fewer per layer than returning them). Slots are read as
+scores (a pass and a kernel fewer per layer than returning them). Where rows are few,
+each (row, KV head)'s slots are split among several programs (as flash-decoding does),
+each writing its part of the output with its log-sum-exp, and the second kernel weighs
+the parts together: one row of 8 KV heads would otherwise run 8 programs on a GPU of
+132 multiprocessors, each walking every slot. Slots are read as
 ``StoredSlots`` holds them: floats, or 8- and 4-bit codes decoded in registers (eagerly,
 dequantizing a layer's 8-bit keys of 512 rows into a copy took 2.2 ms on the H200,
 compiled 0.22 ms, and the copy was then read again), then the exact window's ring and
@@ -18,6 +22,8 @@ the row's new token written over their slots.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -63,20 +69,21 @@ def _read(data, scale, minimum, ring, new, entry, slot, held, newest, dim, d_slo
 
 
 @triton.jit
-def _attend(query, lengths, slot_entry, out, logits, lse,
+def _attend(query, lengths, slot_entry, out, parts, logits, lse,
             k_data, k_scale, k_min, k_ring, k_new, v_data, v_scale, v_min, v_ring, v_new,
             q_row, q_head, q_group, e_row, e_head,
             kd_row, kd_head, kd_slot, ks_row, ks_head, ks_slot, kr_row, kr_head, kr_entry, kn_row, kn_head,
             vd_row, vd_head, vd_slot, vs_row, vs_head, vs_slot, vr_row, vr_head, vr_entry, vn_row, vn_head,
-            o_row, o_head, o_group, l_row, l_head, l_group, scaling,
+            o_row, o_head, o_group, l_row, l_head, l_group, p_row, p_head, p_split, p_group, scaling, span,
             K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_RING: tl.constexpr, K_NEW: tl.constexpr,
             V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_RING: tl.constexpr, V_NEW: tl.constexpr,
             ENTRIES: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, DIM: tl.constexpr,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     # 64-bit offsets: a large pool's layer passes 2**31 elements (4,096 rows of 8 KV heads
     # of 820 slots of 128 channels).
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     live = tl.load(lengths + row)
     group = tl.arange(0, PADDED)
     dim = tl.arange(0, DIM)
@@ -97,7 +104,7 @@ def _attend(query, lengths, slot_entry, out, logits, lse,
     top = tl.full([PADDED], float("-inf"), tl.float32)
     total = tl.zeros([PADDED], tl.float32)
     acc = tl.zeros([PADDED, DIM], tl.float32)
-    for start in range(0, live, BLOCK):
+    for start in range(split * span, tl.minimum(split * span + span, live), BLOCK):
         slot = start + tl.arange(0, BLOCK)
         held = slot < live
         entry = slot  # unused without a ring
@@ -117,25 +124,53 @@ def _attend(query, lengths, slot_entry, out, logits, lse,
                   vr_entry, V_BITS, V_GROUP, DIM, V_RING, V_NEW).to(q.dtype)
         acc = acc * kept[:, None] + tl.dot(p.to(q.dtype), v)
         top = new_top
-    # A row with no live slot (a padding row) reads nothing: zeros, and no mass below.
+    # A row or split with no live slot (a padding row) reads nothing: zeros, weighing nothing.
     total = tl.where(total == 0.0, 1.0, total)
-    tl.store(out + row * o_row + head * o_head + group[:, None] * o_group + dim[None, :],
-             (acc / total[:, None]).to(out.dtype.element_ty), mask=in_group[:, None])
-    tl.store(lse + (row * tl.num_programs(1) + head) * GROUPS + group, top + tl.log(total), mask=in_group)
+    if SPLIT:  # a part of the output, in float32, for ``_finish`` to weigh against the others
+        tl.store(parts + row * p_row + head * p_head + split * p_split + group[:, None] * p_group + dim[None, :],
+                 acc / total[:, None], mask=in_group[:, None])
+    else:
+        tl.store(out + row * o_row + head * o_head + group[:, None] * o_group + dim[None, :],
+                 (acc / total[:, None]).to(out.dtype.element_ty), mask=in_group[:, None])
+    tl.store(lse + ((row * tl.num_programs(1) + head) * tl.num_programs(2) + split) * GROUPS + group,
+             top + tl.log(total), mask=in_group)
 
 
 @triton.jit
-def _add_received(logits, lse, lengths, scores, counted, l_row, l_head, l_group, s_row, s_head, s_slot,
-                  c_row, c_head, GROUPS: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
-                  COUNTED: tl.constexpr):
+def _finish(logits, lse, parts, out, lengths, scores, counted, splits, l_row, l_head, l_group,
+            p_row, p_head, p_split, p_group, o_row, o_head, o_group, s_row, s_head, s_slot, c_row, c_head,
+            GROUPS: tl.constexpr, PADDED: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+            COUNTED: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    slot = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    block = tl.program_id(2)
+    slot = block * BLOCK + tl.arange(0, BLOCK)
     live = tl.load(lengths + row)
     group = tl.arange(0, PADDED)
     in_group = group < GROUPS
     held = slot < live
-    norm = tl.load(lse + (row * tl.num_programs(1) + head) * GROUPS + group, mask=in_group, other=0.0)
+    # Each query head's log-sum-exp over its splits' parts; 0 where no part holds a slot
+    # (a padding row), which weighs every part at nothing.
+    part_lse = lse + (row * tl.num_programs(1) + head) * splits * GROUPS + group
+    top = tl.full([PADDED], float("-inf"), tl.float32)
+    for part in range(0, splits):
+        top = tl.maximum(top, tl.load(part_lse + part * GROUPS, mask=in_group, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([PADDED], tl.float32)
+    for part in range(0, splits):
+        total += tl.exp(tl.load(part_lse + part * GROUPS, mask=in_group, other=float("-inf")) - top)
+    norm = top + tl.log(tl.where(total == 0.0, 1.0, total))
+    if SPLIT:
+        if block == 0:  # one program a (row, KV head) writes its output
+            dim = tl.arange(0, DIM)
+            acc = tl.zeros([PADDED, DIM], tl.float32)
+            for part in range(0, splits):
+                weight = tl.exp(tl.load(part_lse + part * GROUPS, mask=in_group, other=float("-inf")) - norm)
+                acc += weight[:, None] * tl.load(
+                    parts + row * p_row + head * p_head + part * p_split + group[:, None] * p_group + dim[None, :],
+                    mask=in_group[:, None], other=0.0)
+            tl.store(out + row * o_row + head * o_head + group[:, None] * o_group + dim[None, :],
+                     acc.to(out.dtype.element_ty), mask=in_group[:, None])
     x = tl.load(logits + row * l_row + head * l_head + group[:, None] * l_group + slot[None, :],
                 mask=in_group[:, None] & held[None, :], other=float("-inf"))
     mass = tl.sum(tl.exp(x - norm[:, None]), 0)
@@ -147,15 +182,16 @@ def _add_received(logits, lse, lengths, scores, counted, l_row, l_head, l_group,
 
 
 def probe(device: torch.device) -> None:
-    """Build and run the kernels once on ``device``, reading floats and reading codes
-    (8-bit keys, 4-bit values, a ring, a new token: every branch of ``_read``): raises
-    where Triton cannot build them there (it compiles a launcher with the system's C
-    compiler, which a slim image may lack)."""
+    """Build and run the kernels once on ``device``, reading floats whole and in two
+    parts, and reading codes (8-bit keys, 4-bit values, a ring, a new token: every branch
+    of ``_read``): raises where Triton cannot build them there (it compiles a launcher
+    with the system's C compiler, which a slim image may lack)."""
     lengths = torch.ones(1, dtype=torch.long, device=device)
-    scores = torch.zeros((1, 1, 1), dtype=torch.float32, device=device)
-    one = torch.zeros((1, 1, 1, MIN_ROWS), dtype=torch.bfloat16, device=device)
-    scored_decode(one, StoredSlots.plain(one), StoredSlots.plain(one), lengths, 1.0, scores,
-                  torch.ones((1, 1, 1), dtype=torch.bool, device=device))
+    scores = torch.zeros((1, 1, BLOCK + 1), dtype=torch.float32, device=device)
+    slots = torch.zeros((1, 1, BLOCK + 1, MIN_ROWS), dtype=torch.bfloat16, device=device)
+    for splits in (1, 2):
+        scored_decode(slots[:, :, :1], StoredSlots.plain(slots), StoredSlots.plain(slots), lengths, 1.0, scores,
+                      torch.ones((1, 1, BLOCK + 1), dtype=torch.bool, device=device), splits=splits)
     query, at = torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device), (0, slice(None), 0)
     coded = []
     for bits, name in ((8, "keys"), (4, "values")):
@@ -164,7 +200,7 @@ def probe(device: torch.device) -> None:
             window_name(name): torch.zeros((1, 1, 1, 32), dtype=torch.bfloat16, device=device)}
         coded.append(StoredSlots(codec, buffers, name, torch.zeros((1, 1, 1), dtype=torch.long, device=device),
                                  query[:, :, 0], at))
-    scored_decode(query, *coded, lengths, 1.0, scores)
+    scored_decode(query, *coded, lengths, 1.0, scores[:, :, :1])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -200,38 +236,63 @@ def _operand(stored: StoredSlots, like: torch.Tensor) -> tuple[list, list, dict]
 
 def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, lengths: torch.Tensor,
                   scaling: float, scores: torch.Tensor, counted: torch.Tensor | None = None,
-                  launch: dict | None = None) -> torch.Tensor:
+                  launch: dict | None = None, splits: int | None = None) -> torch.Tensor:
     """``query`` ``(rows, q_heads, 1, dim)`` over ``keys``/``values`` ``(rows, kv_heads,
     slots, ...)`` of which each row's first ``lengths[row]`` are live, read as
     ``StoredSlots.read`` gives them (the new token at slot ``lengths[row] - 1``): the
     output ``(rows, 1, q_heads, dim)`` in the query's dtype. The mass each live slot
     received, summed over its group's query heads, is added to ``scores`` ``(rows,
-    kv_heads, slots)`` float32 where ``counted`` (a boolean of that shape; None: every slot)."""
+    kv_heads, slots)`` float32 where ``counted`` (a boolean of that shape; None: every slot).
+    Each row's slots are read in ``splits`` parts at once (None: ``split_count``'s)."""
     rows, q_heads, _, dim = query.shape
     kv_heads, slots = keys.data.shape[1], keys.slots
     groups = q_heads // kv_heads
     padded = max(MIN_ROWS, triton.next_power_of_2(groups))
+    span = BLOCK * triton.cdiv(slots, BLOCK * (splits or split_count(rows, kv_heads, slots,
+                                                                     processors(query.device))))
+    splits = triton.cdiv(slots, span)  # none past the last slot
     grouped = query.reshape(rows, kv_heads, groups, dim)
     entries = keys.entries if keys.entries is not None else values.entries
     slot_entry = lengths if entries is None else ring_entries(entries, slots)
     # Written in the query's dtype, laid out as the model's (rows, 1, q_heads, dim).
     out = torch.empty((rows, kv_heads, groups, dim), dtype=query.dtype, device=query.device)
+    parts = out if splits == 1 else torch.empty((rows, kv_heads, splits, groups, dim), dtype=torch.float32,
+                                                device=query.device)
+    part_strides = parts.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     logits = torch.empty((rows, kv_heads, groups, slots), dtype=torch.float32, device=query.device)
-    lse = torch.empty((rows, kv_heads, groups), dtype=torch.float32, device=query.device)
+    lse = torch.empty((rows, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
     k_pointers, k_strides, k_constants = _operand(keys, query)
     v_pointers, v_strides, v_constants = _operand(values, query)
-    _attend[(rows, kv_heads)](grouped, lengths, slot_entry, out, logits, lse, *k_pointers, *v_pointers,
-                              *grouped.stride()[:3], *(slot_entry.stride()[:2] if entries is not None else (0, 0)),
-                              *k_strides, *v_strides, *out.stride()[:3], *logits.stride()[:3], scaling,
-                              **{f"K_{name}": value for name, value in k_constants.items()},
-                              **{f"V_{name}": value for name, value in v_constants.items()},
-                              ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK,
-                              **(launch or {}))
-    _add_received[(rows, kv_heads, triton.cdiv(slots, BLOCK))](
-        logits, lse, lengths, scores, scores if counted is None else counted, *logits.stride()[:3],
-        *scores.stride(), *(counted.stride()[:2] if counted is not None else (0, 0)),
-        GROUPS=groups, PADDED=padded, BLOCK=BLOCK, COUNTED=counted is not None)
+    _attend[(rows, kv_heads, splits)](
+        grouped, lengths, slot_entry, out, parts, logits, lse, *k_pointers, *v_pointers,
+        *grouped.stride()[:3], *(slot_entry.stride()[:2] if entries is not None else (0, 0)),
+        *k_strides, *v_strides, *out.stride()[:3], *logits.stride()[:3], *part_strides, scaling, span,
+        **{f"K_{name}": value for name, value in k_constants.items()},
+        **{f"V_{name}": value for name, value in v_constants.items()},
+        ENTRIES=entries is not None, GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK, SPLIT=splits > 1,
+        **(launch or {}))
+    _finish[(rows, kv_heads, triton.cdiv(slots, BLOCK))](
+        logits, lse, parts, out, lengths, scores, scores if counted is None else counted, splits,
+        *logits.stride()[:3], *part_strides, *out.stride()[:3], *scores.stride(),
+        *(counted.stride()[:2] if counted is not None else (0, 0)),
+        GROUPS=groups, PADDED=padded, DIM=dim, BLOCK=BLOCK, COUNTED=counted is not None, SPLIT=splits > 1)
     return out.view(rows, q_heads, 1, dim).transpose(1, 2)
+
+
+def split_count(rows: int, kv_heads: int, slots: int, processors: int) -> int:
+    """In how many parts each (row, KV head) reads its slots on a GPU of ``processors``
+    multiprocessors: one where the rows' programs already give each two, else as many as
+    do, at most a block of slots each. Few rows of many slots would otherwise leave most
+    of the GPU idle while a few programs walk every slot."""
+    return max(1, min(triton.cdiv(slots, BLOCK), triton.cdiv(2 * processors, rows * kv_heads)))
+
+
+@functools.cache
+def processors(device: torch.device) -> int:
+    """``device``'s multiprocessors; 0 off CUDA (the interpreter runs programs one by one)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def ring_entries(entries: torch.Tensor, slots: int) -> torch.Tensor:
