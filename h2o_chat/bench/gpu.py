@@ -551,6 +551,10 @@ def verdict(passed: bool | None) -> str:
     return {True: "pass", False: "FAIL", None: "measured"}[passed]
 
 
+def checks_table(checks: list[dict]) -> str:
+    return md_table(["check", "result", "measured"], [[c["name"], verdict(c["passed"]), c["measured"]] for c in checks])
+
+
 def h2o_label(share: float) -> str:
     return f"h2o {share:.0%}"
 
@@ -594,16 +598,14 @@ def markdown(result: dict) -> str:
     for m in result["models"]:
         if "layers" not in m:  # the model could not be built or checked
             blocks.append(f"### {m['label']}")
-            blocks.append(md_table(["check", "result", "measured"],
-                                   [[c["name"], verdict(c["passed"]), c["measured"]] for c in m["checks"]]))
+            blocks.append(checks_table(m["checks"]))
             continue
         blocks.append(f"### {m['label']}\n\n{m['layers']} layers, {m['hidden']} hidden, {m['heads']} query heads, "
                       f"{m['kv_heads']} KV heads, {m['dtype'].removeprefix('torch.')}, {m['fused_norms']} RMS norms "
                       f"fused, {m['fused_attentions']} attentions and {m['fused_mlps']} MLPs with stacked projections"
                       + (f", {m['weights_mb']:.0f} MiB of weights" if m["weights_mb"] else ""))
+        blocks.extend([checks_table(m["checks"])] if m.get("checks") else [])
         tables = [
-            (["check", "result", "measured"],
-             [[c["name"], verdict(c["passed"]), c["measured"]] for c in m.get("checks", [])]),
             (["history", "cache", "decode tok/s", "vs full", "peak memory MiB", "KV MiB allocated", "KV MiB in use"],
              [[r["history"], r["cache"], r["decode_tok_s"], "–" if r.get("vs_full") is None else f"{r['vs_full']:.2f}×",
                r["peak_mb"], r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]),
@@ -631,9 +633,7 @@ def markdown(result: dict) -> str:
         lines = ratios(m, result["plan"]["share"])
         blocks.extend(["\n".join(f"- {line}" for line in lines)] if lines else [])
     if result["loading"]:
-        blocks.append("### Loading a saved model through load_model\n\n" + md_table(
-            ["check", "result", "measured"],
-            [[c["name"], verdict(c["passed"]), c["measured"]] for c in result["loading"]]))
+        blocks.append("### Loading a saved model through load_model\n\n" + checks_table(result["loading"]))
     notes = [f"- {s['model']}: not run: {s['why']}" for s in result["skipped"]]
     notes += [f"- {b['branch']}: not run: {b['why_not']}" for b in result["loading_branches"] if not b["ran"]]
     if result["device"] == "cpu" and result["complete"] and "loading" in result["parts"]:

@@ -339,11 +339,11 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
                                                    values.read(model.dtype).float(), mask, dim ** -0.5)
         label = "float" if key_bits is None else f"K{key_bits}/V{value_bits} +{ring} exact"
         gaps[label] = (logits_gap(output.float(), want), (received - probabilities.sum(dim=(2, 3))).abs().max().item())
-        fused = fused and fused_decode_kernel(query, keys, values) is not None
+        kernel = fused_decode_kernel(query, keys, values)
+        fused = fused and kernel is not None
     passed = all(output_gap <= FUSED_OUTPUT_GAP and mass_gap <= FUSED_MASS_GAP for output_gap, mass_gap in gaps.values())
-    kernel = fused_decode_kernel(query, keys, values)
     # On a GPU of many multiprocessors so few rows read their slots in parts (flash-decoding's split).
-    parts = kernel.split_count(rows, kv_heads, slots, kernel.processors(device)) if kernel is not None else 1
+    parts = kernel.split_count(rows, kv_heads, slots, kernel.processors(device)) if fused else 1
     how = (f"fused kernel, each row's slots read {'whole' if parts == 1 else f'in {parts} parts'}" if fused
            else "no fused kernel on this device")
     return Check(FUSED, passed if fused else None,

@@ -60,19 +60,34 @@ def _held_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class AttentionInputs:
+    """One layer's decode attention at ``rows`` rows of ``slots`` live slots each, shaped
+    as ``model``'s: a query per row, the rows' lengths, their scores, and slots to read."""
+
+    def __init__(self, model, rows: int, slots: int, device: torch.device) -> None:
+        config = model.config
+        heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.rows, self.slots, self.dtype, self.device = rows, slots, model.dtype, device
+        self.lengths = torch.full((rows,), slots, dtype=torch.long, device=device)
+        self.query = torch.randn(rows, heads, 1, self.dim, dtype=model.dtype, device=device)
+        self.scores = torch.zeros((rows, self.kv_heads, slots), dtype=torch.float32, device=device)
+
+    def stored(self, bits: int | None, name: str) -> StoredSlots:
+        """Random slots stored as floats (``bits`` None) or as ``bits``-bit codes."""
+        return StoredSlots.encode(torch.randn(self.rows, self.kv_heads, self.slots, self.dim, dtype=self.dtype,
+                                              device=self.device), bits, name)
+
+
 def attention_rows(model, rows: int, slots: int, device: torch.device, repeats: int) -> list[dict]:
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    lengths = torch.full((rows,), slots, dtype=torch.long, device=device)
+    inputs = AttentionInputs(model, rows, slots, device)
+    query, lengths, scores, kv_heads, dim = inputs.query, inputs.lengths, inputs.scores, inputs.kv_heads, inputs.dim
+    heads = query.shape[1]
     mask = torch.ones((rows, 1, 1, slots), dtype=torch.bool, device=device)
-    query = torch.randn(rows, heads, 1, dim, dtype=model.dtype, device=device)
-    scores = torch.zeros((rows, kv_heads, slots), dtype=torch.float32, device=device)
     kernel = kernels.load("decode_kernel", device)
     results = []
     for label, key_bits, value_bits in (("float", None, None), ("K8/V4", 8, 4)):
-        keys, values = (StoredSlots.encode(torch.randn(rows, kv_heads, slots, dim, dtype=model.dtype, device=device),
-                                           bits, name) for bits, name in ((key_bits, "keys"), (value_bits, "values")))
+        keys, values = inputs.stored(key_bits, "keys"), inputs.stored(value_bits, "values")
         held = _held_bytes(keys.data, keys.scale, keys.minimum, values.data, values.scale, values.minimum)
 
         def reference() -> None:
@@ -106,20 +121,14 @@ def split_rows(model, slots: int, device: torch.device, repeats: int, counts: tu
     kernel = kernels.load("decode_kernel", device)
     if kernel is None:
         return []
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     results = []
     for rows in counts:
-        lengths = torch.full((rows,), slots, dtype=torch.long, device=device)
-        query = torch.randn(rows, heads, 1, dim, dtype=model.dtype, device=device)
-        scores = torch.zeros((rows, kv_heads, slots), dtype=torch.float32, device=device)
-        keys, values = (StoredSlots.plain(torch.randn(rows, kv_heads, slots, dim, dtype=model.dtype, device=device))
-                        for _ in range(2))
+        inputs = AttentionInputs(model, rows, slots, device)
+        keys, values = inputs.stored(None, "keys"), inputs.stored(None, "values")
         held = _held_bytes(keys.data, values.data)
-        for splits in sorted({1, kernel.split_count(rows, kv_heads, slots, kernel.processors(device))}):
-            ms = timed(lambda: kernel.scored_decode(query, keys, values, lengths, dim ** -0.5, scores, splits=splits),
-                       device, repeats)
+        for splits in sorted({1, kernel.split_count(rows, inputs.kv_heads, slots, kernel.processors(device))}):
+            ms = timed(lambda: kernel.scored_decode(inputs.query, keys, values, inputs.lengths, inputs.dim ** -0.5,
+                                                    inputs.scores, splits=splits), device, repeats)
             results.append({"what": "attention, float", "path": f"kernel, {splits} part{'s' * (splits > 1)} a row",
                             "rows": rows, "slots": slots, "ms": ms, "held_mb": held / 2**20, "gb_s": held / ms / 1e6})
     return results
