@@ -246,6 +246,10 @@ class _Rows:
         self.buffers = {name: t[:, :count] for name, t in seg.pool.buffers.items()}
         self.layers = [dict(zip(self.buffers, views)) for views in zip(*(t.unbind(0) for t in self.buffers.values()))]
         self.new: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # by layer, see ``write``
+        # The fused kernel reads the new tokens as given, so even floats stored as they are
+        # wait for ``store_new``: two writes a step instead of two a layer (launches are
+        # what a step of few rows on a GPU waits for).
+        self.kernel_reads_new = seg.scored and kernels.load("decode_kernel", device) is not None
         self.entries: torch.Tensor | None = None  # the slot of each exact window entry, every layer
         self.entry_rows: torch.Tensor | None = None  # the same as rows of a layer's read (``window.entry_rows``)
 
@@ -269,13 +273,13 @@ class _Rows:
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer ``layer``'s new keys and values (the segment's batch rows of the model's
         ``(batch, kv_heads, 1, head_dim)``): into the rows' new slots where stored as they
-        are; else kept aside (``attend`` uses them as given, ``store_new`` stores the
-        step's new tokens of every layer at once)."""
+        are and read by torch's operations; else kept aside (``attend`` uses them as
+        given, ``store_new`` stores the step's new tokens of every layer at once)."""
         seg = self.seg
         new = {"keys": key_states[seg.offset : seg.offset + seg.rows, :, 0],
                "values": value_states[seg.offset : seg.offset + seg.rows, :, 0]}
         for name, codec in (("keys", seg.storage.keys), ("values", seg.storage.values)):
-            if codec.exact(key_states.dtype):
+            if codec.exact(key_states.dtype) and not self.kernel_reads_new:
                 codec.write_at(self.layers[layer], name, self.at, new[name])
             else:
                 self.new[name].append(new[name])
