@@ -71,8 +71,14 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     if greedy:
         parts.append(logits[_index([rows[i] for i in greedy], logits)].argmax(dim=-1).to(torch.float64))
     if sampled:
-        temperatures = torch.tensor([[draws[i].sampling.temperature] for i in sampled], device=logits.device)
-        probs = torch.softmax(logits[_index([rows[i] for i in sampled], logits)].float() / temperatures, dim=-1)
+        # A tiny temperature (5e-324 is a valid one) would overflow the logits over it to
+        # infinity and the softmax to NaN: the logits are taken below their maximum first,
+        # and the temperature is kept from underflowing float32 to 0, so it tends to the
+        # greedy token, as it should.
+        tiny = torch.finfo(torch.float32).tiny
+        temperatures = torch.tensor([[max(draws[i].sampling.temperature, tiny)] for i in sampled], device=logits.device)
+        scaled = logits[_index([rows[i] for i in sampled], logits)].float()
+        probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperatures, dim=-1)
         top, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
         if unseeded:
             parts += _draw_unseeded(_some(top, unseeded), _some(ids, unseeded),

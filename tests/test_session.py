@@ -180,6 +180,20 @@ def test_seeded_rows_draw_the_same_beside_unseeded_and_flat_ones():
     assert flat_tokens - set(flat.topk(256).indices.tolist())
 
 
+def test_the_tiniest_temperatures_draw_the_greedy_token():
+    """A temperature far below float32's range (every valid one is accepted) draws the
+    most likely token, seeded or not, instead of failing on a distribution of NaN."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 500, generator=generator) * 4
+    greedy = logits.argmax(dim=-1).tolist()
+    for temperature in (1e-30, 1e-40, 5e-324):
+        for top_p in (0.9, 1.0):
+            sampling = Sampling(temperature=temperature, top_p=top_p)
+            drawn = draw_tokens(logits.clone(), [0, 1, 2], [
+                Draw(sampling), Draw(sampling, torch.Generator().manual_seed(3)), Draw(sampling)])
+            assert drawn == greedy, (temperature, top_p)
+
+
 def test_two_sessions_in_two_threads_do_not_mix(smollm):
     model, tokenizer = smollm
     questions = {"a": "What is the capital of Italy?", "b": "Give me a word that rhymes with cat."}
