@@ -326,9 +326,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if tp is str and isinstance(value, str):
             return value
     expected = " or ".join(_type_name(tp) for tp in allowed)
-    raise ConfigError(
-        f"{name} = {value!r}: expected {expected}, got {_type_name(type(value))}", field=name
-    )
+    rule = _RULES.get(name)
+    raise ConfigError(f"{name} = {value!r}: expected {expected}, got {_type_name(type(value))}"
+                      + (f"; {rule.allowed}" if rule is not None else ""), field=name)
 
 
 def check_field(name: str, value: Any) -> Any:

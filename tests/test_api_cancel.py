@@ -30,6 +30,10 @@ def cancelled(stage: str) -> str:
     return f'h2o_chat_cancelled_turns_total{{stage="{stage}"}}'
 
 
+def answered(status: int) -> str:
+    return f'h2o_chat_requests_total{{endpoint="/v1/chat/completions",status="{status}"}}'
+
+
 def long_request(stream: bool) -> dict:
     return {"messages": [{"role": "user", "content": PROMPT}], "stream": stream, "max_tokens": 64,
             "temperature": 0}
@@ -63,7 +67,10 @@ def test_a_client_gone_while_queued_never_starts(url):
     assert seen[cancelled("queued")] - before[cancelled("queued")] == 1
     assert seen["h2o_chat_active_generations"] == 1  # the first goes on
     first.close()
-    seen = wait_for_metrics(url, at_rest)
+    # Both answered 499 (the first's 200 went out before it left, but nobody read its reply).
+    seen = wait_for_metrics(url, lambda m: at_rest(m) and m.get(answered(499), 0) - before.get(answered(499), 0) >= 2)
+    assert seen[answered(499)] - before.get(answered(499), 0) == 2
+    assert seen.get(answered(200), 0) == before.get(answered(200), 0)
     assert seen[cancelled("decode")] - before[cancelled("decode")] == 1
     assert seen[cancelled("prefill")] == before[cancelled("prefill")]
     # Only the first request's short prompt was read, never the waiting one's.

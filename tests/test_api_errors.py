@@ -3,6 +3,7 @@ error shape, the right status, and a message naming the field and what it may be
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from .api_support import MODEL_ID, api_config, client, serving
+from .helpers import fail_next_forward
 
 KEY = "test-key-123"
 USER = [{"role": "user", "content": "Hi"}]
@@ -41,7 +43,13 @@ def refusal(url, status, **request):
     ({"max_tokens": 0}, "max_tokens", "max_tokens = 0: must be an integer from 1 to 32768"),
     ({"max_completion_tokens": 40000}, "max_completion_tokens",
      "max_completion_tokens = 40000: must be an integer from 1 to 32768"),
-    ({"temperature": "hot"}, "temperature", "temperature = 'hot': expected float, got str"),
+    ({"temperature": "hot"}, "temperature",
+     "temperature = 'hot': expected float, got str; must be a number from 0 to 10 (0 = greedy decoding)"),
+    ({"max_tokens": "5"}, "max_tokens", "max_tokens = '5': expected int, got str; must be an integer from 1 to 32768"),
+    # Too long to be read as a number at all, yet refused as the integer it is.
+    ({"max_tokens": 10**22}, "max_tokens", "max_tokens = <a 23-digit number>: must be an integer from 1 to 32768"),
+    ({"temperature": -10**22}, "temperature",
+     "temperature = <a 23-digit number>: must be a number from 0 to 10 (0 = greedy decoding)"),
     ({"seed": -1}, "seed", "seed = -1: must be an integer from 0 to 9223372036854775807, or null"),
     ({"seed": 2**63}, "seed", "seed = 9223372036854775808: must be an integer from 0 to 9223372036854775807, "
                               "or null"),
@@ -50,10 +58,11 @@ def refusal(url, status, **request):
     ({"n": 2}, "n", "n = 2: must be 1 (one choice per request)"),
     ({"stop": ["a"] * 17}, "stop", "stop must be a string or an array of at most 16 strings"),
     ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed when stream is true"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens", "min_tokens = 5: must be an integer from 0 to max_tokens (2)"),
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos = 'yes': must be true or false"),
     ({"messages": []}, "messages", "messages must be a non-empty array of messages"),
-    ({"messages": USER * 5}, "messages (with the reply)",
+    ({"messages": USER * 5}, "messages",
      "messages (with the reply) holds 6 messages; the limit is 5 (server.max_conversation_messages)"),
     ({"messages": [{"role": "system", "content": "s" * 101}, *USER]}, "messages[0].content",
      "messages[0].content is 101 characters long; the limit is 100 (server.max_system_prompt_chars)"),
@@ -72,12 +81,26 @@ def refusal(url, status, **request):
      'messages[0].content[0].type = \'image_url\': only text parts ({"type": "text", "text": ...}) are supported'),
     ({"messages": [{"role": "user", "content": "x", "pin": 1}]}, "messages[0].pin",
      "messages[0].pin = 1: must be true or false"),
+    ({"messages": [*USER, {"role": "assistant", "content": " \n", "pin": True}, *USER]}, "messages[1].pin",
+     "messages[1].pin: nothing to pin: the text is empty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tools is not supported by this server (plain chat only)"),
+    # Not false: a number where a boolean or an object goes asks for something.
+    ({"logprobs": 0}, "logprobs", "logprobs is not supported by this server (plain chat only)"),
+    ({"extra_body": {"logit_bias": 0}}, "logit_bias", "logit_bias is not supported by this server (plain chat only)"),
 ])
 def test_bad_fields_get_400_naming_the_field_and_the_allowed_range(url, request_fields, param, message):
     body = refusal(url, 400, **request_fields)
     assert body == {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_value"}
+
+
+def test_a_streamed_request_is_refused_before_its_stream_begins(url):
+    """A refusal the request itself earns is a 400, not a 200 stream carrying an error."""
+    for messages in ([*USER, {"role": "assistant", "content": "  ", "pin": True}, *USER],
+                     [{"role": "user", "content": " "}]):
+        response = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "stream": True},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_value"
 
 
 def test_malformed_bodies_get_400_and_the_server_stays_up(url):
@@ -89,7 +112,9 @@ def test_malformed_bodies_get_400_and_the_server_stays_up(url):
                                                             "besides strings; the limit is 4,176"),
                               (b"[1, 2]", "the request body must be a JSON object, got an array"),
                               (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-                               "messages[0].content contains an unpaired surrogate (U+D800) at character 0")]:
+                               "messages[0].content contains an unpaired surrogate (U+D800) at character 0"),
+                              (b'{"messages": [{"role": "user", "content": "Hi"}], "stop": ["ok", "\\ud800"]}',
+                               "stop[1] contains an unpaired surrogate (U+D800) at character 0")]:
         response = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["message"].startswith(expected)
     assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -105,6 +130,19 @@ def test_a_refused_pin_names_the_clients_own_message(url):
     assert body["param"] == "messages[1].pin"
     assert body["message"].startswith("messages[1].pin: 'Remember the code word lantern.' (tokens ")
     assert body["message"].endswith("is already pinned")
+
+
+def test_a_failed_reply_gets_500_and_the_server_logs_why(url, smollm, caplog):
+    """The client is told the reply failed; the operator finds the traceback in the log."""
+    fail_next_forward(smollm[0].model.layers[0])
+    with caplog.at_level(logging.ERROR, logger="h2o_chat.api.turns"):
+        body = refusal(url, 500)
+    assert body == {"message": "the reply failed: RuntimeError: injected failure", "type": "server_error",
+                    "param": None, "code": "generation_failed"}
+    logged = [record for record in caplog.records if record.name == "h2o_chat.api.turns"]
+    assert len(logged) == 1 and logged[0].levelno == logging.ERROR
+    assert logged[0].exc_info[1].args == ("injected failure",)
+    assert client(url, KEY).chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=2).choices
 
 
 def test_a_bad_session_id_gets_400(url):
@@ -130,8 +168,24 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
     with pytest.raises(openai.NotFoundError) as caught:
         client(url, KEY).models.retrieve("gpt-4")
     assert caught.value.body["message"] == f"the model 'gpt-4' does not exist; this server has {MODEL_ID!r}"
-    response = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
-    assert response.status_code == 404 and response.json()["error"]["message"] == "no such endpoint: POST /v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1"), ("OPTIONS", "/v1/chat/completions"),
+                         ("HEAD", "/v1/nothing")):
+        response = httpx.request(method, url + path, headers=headers)
+        assert response.status_code == 404, (method, path)
+        if method != "HEAD":  # a HEAD reply has no body
+            assert response.json()["error"] == {"message": f"no such endpoint: {method} {path}",
+                                                "type": "not_found_error", "param": None, "code": "unknown_url"}
+        # Without the key, nothing is told of what exists under /v1.
+        assert httpx.request(method, url + path).status_code == 401, (method, path)
+
+
+def test_health_and_models_answer_head(url):
+    assert httpx.head(url + "/health").status_code == 200
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/v1/models", f"/v1/models/{MODEL_ID}"):
+        assert httpx.head(url + path, headers=headers).status_code == 200
+        assert httpx.head(url + path).status_code == 401
 
 
 def test_a_body_over_the_limit_gets_413(url):

@@ -74,8 +74,8 @@ def test_refusals_are_one_message_naming_the_setting(page, app_log):
 CRAFTED_SETTINGS = [
     ("key-bits", 3, "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
     ("value-bits", 0, "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
-    ("key-bits", "8.0", "cache.key_bits = '8.0': expected int or null, got str"),
-    ("value-bits", ["8"], "cache.value_bits = ['8']: expected int or null, got list"),
+    ("key-bits", "8.0", "cache.key_bits = '8.0': expected int or null, got str; must be one of 32, 16, 8, 4"),
+    ("value-bits", ["8"], "cache.value_bits = ['8']: expected int or null, got list; must be one of 32, 16, 8, 4"),
     ("policy", "h3o", "cache.policy = 'h3o': must be one of full, h2o, recent, sink"),
 ]
 

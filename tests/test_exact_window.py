@@ -189,7 +189,8 @@ def test_a_byte_budget_pays_for_the_window_first(smollm):
 
 @pytest.mark.parametrize("given, allowed", [(-1, "must be an integer from 0 to 1024"),
                                             (1025, "must be an integer from 0 to 1024"),
-                                            (2.5, "expected int, got float"), ("8", "expected int, got str")])
+                                            (2.5, "expected int, got float; must be an integer from 0 to 1024"),
+                                            ("8", "expected int, got str; must be an integer from 0 to 1024")])
 def test_a_window_out_of_range_is_refused_naming_the_field(tiny_model, given, allowed):
     with pytest.raises(ConfigError, match=f"^cache.exact_window = {given!r}: {allowed}$"):
         make_cache(tiny_model, "h2o", heavy=4, recent=4, exact_window=given, **K4V4)

@@ -273,7 +273,7 @@ def test_a_byte_budget_that_is_no_whole_number_of_bytes_is_refused_naming_it(tin
 
 
 def test_the_sink_beside_a_byte_budget_is_checked_by_name(tiny_model):
-    with pytest.raises(ConfigError, match=r"^cache.sink = nan: expected int, got float$"):
+    with pytest.raises(ConfigError, match=r"^cache.sink = nan: expected int, got float; must be an integer >= 0$"):
         make_cache(tiny_model, "h2o", sink=float("nan"), budget_bytes=10**6)
 
 

@@ -116,11 +116,11 @@ def test_bad_bits_and_budgets_are_refused_by_name():
     (dict(key_bits=3), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
     (dict(value_bits=0), "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
     (dict(key_bits=" 3 "), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
-    (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float"),
-    (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list"),
-    (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str"),
+    (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float; must be one of 32, 16, 8, 4"),
+    (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list; must be one of 32, 16, 8, 4"),
+    (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str; must be one of 32, 16, 8, 4"),
     (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink, turns"),
-    (dict(policy=7), "cache.policy = 7: expected str, got int"),
+    (dict(policy=7), "cache.policy = 7: expected str, got int; must be one of full, h2o, recent, sink, turns"),
 ])
 def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
     settings = panel(AppConfig())

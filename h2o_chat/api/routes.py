@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -24,13 +25,17 @@ from h2o_chat.scheduler import scheduler_for
 from .conversations import ConversationStore, check_session_id
 from .turns import Delta, Finished, Turn, TurnRunner
 from .errors import APIError
-from .origins import OriginGuard
+from .origins import OriginGuard, listed
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
 from .schema import ChatRequest, parse_chat_request, short
 
 if TYPE_CHECKING:
     from h2o_chat.runtime import ModelProvider
+
+# What the unknown-endpoint route answers to (HEAD and OPTIONS too, else they would reach
+# the page's app and its reply).
+EVERY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 def create_api(provider: ModelProvider, name: str, config: AppConfig,
@@ -49,6 +54,11 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     started = int(time.time())
     # Docs pages off: they would fetch scripts from a CDN, and the UI owns the paths.
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
+    # The pages the guard lets through may read what they are answered (a web client of
+    # the user's own on another port): CORS headers and preflights for those origins.
+    api.add_middleware(CORSMiddleware, allow_origins=[origin.rstrip("/") for origin in listed(server.allowed_origins)],
+                       allow_methods=["GET", "HEAD", "POST"], expose_headers=["X-Session-Id"],
+                       allow_headers=["Authorization", "Content-Type", "X-Session-Id"])
     # Outermost: the page mounted on this app later is behind the same checks.
     api.add_middleware(OriginGuard, server=server, refused=lambda code: metrics.refused.labels(code).inc())
 
@@ -69,7 +79,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     async def left(request: Request, err: ClientDisconnect) -> Response:
         return answered(request, Response(status_code=499))  # while its body was read: nothing started
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
         status = "ok" if provider.ready else "error" if provider.error is not None else "loading"
         why = {} if provider.failure is None else {"error": provider.failure}
@@ -84,12 +94,12 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     def model_card() -> dict[str, Any]:
         return {"id": name, "object": "model", "created": started, "owned_by": "h2o-chat"}
 
-    @api.get("/v1/models")
+    @api.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
         authorize(request)
         return answered(request, JSONResponse({"object": "list", "data": [model_card()]}))
 
-    @api.get("/v1/models/{wanted:path}")
+    @api.api_route("/v1/models/{wanted:path}", methods=["GET", "HEAD"])
     async def model(request: Request, wanted: str) -> Response:
         authorize(request)
         if wanted != name:
@@ -110,17 +120,20 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         turn = started.result()
         reply = Reply(name)
         headers = {"X-Session-Id": turn.session_id}
-        if chat.stream:
-            return answered(request, _TurnStream(turn, _events(turn, chat, reply), headers=headers))
+        if chat.stream:  # counted when it ends: 499 if the client left before the last event
+            return _TurnStream(turn, _events(turn, chat, reply), headers, lambda status: count(request, status))
         collected = asyncio.ensure_future(_collect(turn))
         if not await _while_connected(request, collected):
             turn.cancel()
             return answered(request, Response(status_code=499))
         return answered(request, JSONResponse(reply.completion(*collected.result()), headers=headers))
 
-    @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
-    async def unknown(request: Request, path: str) -> Response:
-        raise APIError(404, f"no such endpoint: {request.method} /v1/{path[:100]}", code="unknown_url")
+    @api.api_route("/v1", methods=EVERY_METHOD)
+    @api.api_route("/v1/{path:path}", methods=EVERY_METHOD)
+    async def unknown(request: Request, path: str = "") -> Response:
+        authorize(request)  # the key guards all of /v1: what exists is not told without it
+        raise APIError(404, f"no such endpoint: {request.method} /v1{'/' + path[:100] if path else ''}",
+                       code="unknown_url")
 
     return api
 
@@ -175,17 +188,25 @@ async def _read_json(request: Request, max_bytes: int, limits: InputLimits) -> A
 class _TurnStream(StreamingResponse):
     """A streamed reply whose turn stops when the response ends, however it ends: the
     client leaving (the server then cancels the stream, perhaps before its first event),
-    a failed send, or the last event out (then there is nothing left to stop)."""
+    a failed send, or the last event out (then there is nothing left to stop). ``ended``
+    is told its status: 200 once the last event went out, else 499 (the client left)."""
 
-    def __init__(self, turn: Turn, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self.turn = turn
+    def __init__(self, turn: Turn, events: AsyncIterator[bytes], headers: dict[str, str],
+                 ended: Callable[[int], None]) -> None:
+        super().__init__(self._sent(events), media_type="text/event-stream", headers=headers)
+        self.turn, self.ended, self.complete = turn, ended, False
+
+    async def _sent(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for item in events:
+            yield item
+        self.complete = True  # resumed after the last event was sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.turn.cancel()
+            self.ended(200 if self.complete else 499)
 
 
 async def _events(turn: Turn, chat: ChatRequest, reply: Reply) -> AsyncIterator[bytes]:

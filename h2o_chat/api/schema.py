@@ -68,7 +68,7 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
     if not isinstance(body, Mapping):
         raise invalid("body", f"the request body must be a JSON object, got {_json_type(body)}")
     for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {}):
+        if not _asks_nothing(body.get(name)):
             raise invalid(name, f"{name} is not supported by this server (plain chat only)")
     _check_response_format(body.get("response_format"))
     model = body.get("model")
@@ -88,6 +88,8 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise invalid("stream_options", f"stream_options must be an object, got {_json_type(options)}")
+    if options and not stream:  # as OpenAI's: options of a stream that is not one would go unheard
+        raise invalid("stream_options", "stream_options is only allowed when stream is true")
     return ChatRequest(
         messages=_messages(body.get("messages"), defaults.system_prompt, limits),
         max_tokens=max_tokens,
@@ -99,6 +101,12 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
         stream=stream,
         include_usage=stream and _bool(options, "include_usage", False, "stream_options."),
     )
+
+
+def _asks_nothing(value: Any) -> bool:
+    """Whether an unsupported field's value asks for nothing: null, false, empty (a 0 is
+    not false here: its type is already wrong)."""
+    return value is None or value is False or (isinstance(value, (list, Mapping)) and not value)
 
 
 def _json_type(value: Any) -> str:
@@ -153,6 +161,10 @@ def _stops(value: Any) -> tuple[str, ...]:
         if not (isinstance(stop, str) and 1 <= len(stop) <= MAX_STOP_CHARS):
             raise invalid("stop", f"stop[{index}] = {short(stop)}: must be a string of 1 to "
                                   f"{MAX_STOP_CHARS} characters")
+        try:  # matched against the reply's text, which is valid Unicode
+            check_text(stop, f"stop[{index}]", MAX_STOP_CHARS, "at most")
+        except InputError as err:
+            raise invalid("stop", str(err)) from None
     return tuple(stops)
 
 
@@ -174,7 +186,7 @@ def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Mes
         messages = [_message(index, item, limits) for index, item in enumerate(value)]
         check_chars(sum(len(m.content) for m in messages), limits, "messages")
     except InputError as err:
-        raise invalid(err.field, str(err)) from None
+        raise invalid("messages" if err.field.startswith("messages (") else err.field, str(err)) from None
     for index, message in enumerate(messages[1:], start=1):
         if message.role == "system":
             raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "
@@ -206,7 +218,10 @@ def _message(index: int, item: Any, limits: InputLimits) -> Message:
         check_system_prompt(content, limits, f"{where}.content")
     else:
         check_text(content, f"{where}.content", limits.message_chars, limits.setting("message_chars"))
-    return Message(role, content, _bool(item, "pin", False, f"{where}."), index)
+    pin = _bool(item, "pin", False, f"{where}.")
+    if pin and not content.strip():  # caught here, before a stream's first event goes out
+        raise invalid(f"{where}.pin", f"{where}.pin: nothing to pin: the text is empty")
+    return Message(role, content, pin, index)
 
 
 def _content(where: str, value: Any) -> str:

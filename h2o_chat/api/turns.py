@@ -11,6 +11,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,8 @@ from .stops import StopMatcher
 
 if TYPE_CHECKING:
     from h2o_chat.runtime import ModelProvider
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,11 @@ class TurnRunner:
                                h2o_report(conversation.id, after)))
         except Exception as err:
             self.store.checkin(conversation, None)
-            turn.emit(_Failed(_as_api_error(err)))
+            error = _as_api_error(err)
+            if error.status == 500:  # the server's fault: its operator needs the traceback
+                log.error("h2o-chat: the reply of API conversation %s failed (answered 500)", conversation.id,
+                          exc_info=err)
+            turn.emit(_Failed(error))
         finally:
             self.queue.leave(ticket)
 

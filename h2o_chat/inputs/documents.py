@@ -19,21 +19,26 @@ MAX_DEPTH = 32  # our documents nest 5 levels at most
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
-class _HugeNumber:
-    """Stands for a JSON integer too long to be a count or an id: the field's own check
-    then refuses it by name, and Python never converts it (a 5,000-digit string is a
-    ValueError, a million digits take seconds)."""
+class _HugeNumber(int):
+    """Stands for a JSON integer too long to be a count or an id: an int beyond every range
+    here (so each field's own check refuses it by name, as it would the number itself),
+    which Python never converts from its digits (a 5,000-digit string is a ValueError, a
+    million digits take seconds)."""
 
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
+    digits: int
+
+    def __new__(cls, text: str) -> _HugeNumber:
+        number = super().__new__(cls, -10**30 if text.startswith("-") else 10**30)
+        number.digits = len(text.lstrip("-"))
+        return number
 
     def __repr__(self) -> str:
         return f"<a {self.digits:,}-digit number>"
 
 
-def _integer(text: str) -> int | _HugeNumber:
+def _integer(text: str) -> int:
     # 20 characters hold every 64-bit integer with its sign (seeds go up to 2**63 - 1).
-    return int(text) if len(text) <= 20 else _HugeNumber(len(text))
+    return int(text) if len(text) <= 20 else _HugeNumber(text)
 
 
 def _no_constant(name: str) -> None:
