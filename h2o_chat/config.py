@@ -210,7 +210,7 @@ _RULES: dict[str, _Rule] = {
         lambda v: 0.0 <= v <= 10.0, "must be a number from 0 to 10 (0 = greedy decoding)"
     ),
     "generation.top_p": _Rule(lambda v: 0.0 < v <= 1.0, "must be a number > 0 and <= 1"),
-    "generation.seed": _int_at_least(0),
+    "generation.seed": _int_between(0, 2**63 - 1),  # torch's generators take no larger seed
     "server.port": _int_between(1, 65535),
     "server.host": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.max_message_chars": _int_between(1, 10_000_000),

@@ -69,6 +69,31 @@ def test_refusals_are_one_message_naming_the_setting(page, app_log):
     assert "Traceback" not in app_log.read_text()
 
 
+def test_a_story_bible_over_its_limit_is_refused_and_the_story_goes_on(page, app_log):
+    """A bible one character over server.max_system_prompt_chars (20,000) is one message
+    and changes nothing: the story, its Continue button and its cache stay (a bible of
+    exactly the limit is taken: test_session.py)."""
+    open_tab(page, "Story")
+    set_number(page, "story-tokens", 8)
+    page.fill("#story-bible textarea", "Ada keeps a lighthouse.")
+    page.fill("#story-text textarea", "The storm came.")
+    start_and_wait(page, "#story-continue")
+    story, seen = page.input_value("#story-text textarea"), gauge(page, "story-gauge")["seen"]
+    page.fill("#story-bible textarea", "B" * 20_001)
+    page.click("#story-continue")
+    _expect_toast(page, "the story bible is 20,001 characters long; the limit is 20,000 "
+                        "(server.max_system_prompt_chars)")
+    _no_error_pills(page)
+    expect(page.locator("#story-continue")).to_be_visible()
+    assert page.input_value("#story-text textarea") == story
+    page.fill("#story-bible textarea", "Ada keeps a lighthouse.")  # the story it was: it goes on
+    start_and_wait(page, "#story-continue")
+    grown = page.input_value("#story-text textarea")
+    assert grown.startswith(story) and len(grown) > len(story)
+    assert int(gauge(page, "story-gauge")["seen"]) > int(seen)
+    assert "Traceback" not in app_log.read_text()
+
+
 # Sent in place of what a dropdown holds, by a page whose request was edited on its way:
 # what the page's endpoints can be sent, though no dropdown offers it.
 CRAFTED_SETTINGS = [

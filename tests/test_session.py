@@ -1,5 +1,6 @@
 """Chat and story sessions on the real embedded model."""
 
+import re
 import threading
 
 import pytest
@@ -8,7 +9,9 @@ from transformers import DynamicCache
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
+from h2o_chat.inputs import InputError, InputLimits
 from h2o_chat.sampling import Draw, Sampling, draw_tokens, nucleus
+from h2o_chat.ui.story_tab import bible_prefix
 
 from .helpers import (BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward,
                       fail_next_update, h2o, record_slots_attended)
@@ -264,6 +267,16 @@ def test_bad_history_is_refused(smollm):
     for bad in [[{"role": "system", "content": "x"}], [{"role": "user", "content": 3}], [{"content": "x"}]]:
         with pytest.raises(ValueError, match=r"history\[0\]"):
             ChatSession(model, tokenizer, cache=h2o(model), history=bad)
+
+
+def test_a_story_bible_may_hold_exactly_its_limit(smollm):
+    """The limit counts what the writer typed, not the blank line the page adds after it."""
+    model, tokenizer = smollm
+    limits = InputLimits(system_prompt_chars=40)
+    story = StorySession(model, tokenizer, cache=h2o(model), bible=bible_prefix("b" * 40), limits=limits)
+    assert story.bible_tokens > 0
+    with pytest.raises(InputError, match=re.escape("the story bible is 41 characters long; the limit is 40 ")):
+        StorySession(model, tokenizer, cache=h2o(model), bible=bible_prefix("b" * 41), limits=limits)
 
 
 def test_story_bible_is_protected_and_not_part_of_the_text(smollm):

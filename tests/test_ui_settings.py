@@ -68,8 +68,10 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
     assert settings.seed.value == ""  # the config's seed: null
     assert settings.sampling(values(settings))["seed"] is None
     assert settings.sampling(values(settings, seed=" 7 "))["seed"] == 7
-    for changed, message in [(dict(seed="abc"), "generation.seed = 'abc': must be an integer >= 0"),
-                             (dict(seed="-1"), "generation.seed = -1: must be an integer >= 0"),
+    top = 2**63 - 1  # torch's generators take no larger seed
+    for changed, message in [(dict(seed="abc"), f"generation.seed = 'abc': must be an integer from 0 to {top}"),
+                             (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}"),
+                             (dict(seed=str(2**64)), f"generation.seed = {2**64}: must be an integer from 0 to {top}"),
                              (dict(top_p=0), "generation.top_p = 0.0")]:
         with pytest.raises(Refusal, match=re.escape(message)):
             settings.sampling(values(settings, **changed))

@@ -34,7 +34,9 @@ class StorySession(Session):
         runner: BatchScheduler | TakeTurns | None = None,
     ) -> None:
         super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
-        check_system_prompt(bible, self.limits, "the story bible")
+        # The blank line that sets the bible off from the story (``bible_prefix``) is not
+        # the writer's: the limit counts what they wrote.
+        check_system_prompt(bible.removesuffix("\n\n"), self.limits, "the story bible")
         # A story has no end of turn: an end-of-sequence token would stop the continuation
         # short and land in the text, so each continuation is max_new_tokens of story.
         self._never_sampled = torch.tensor(sorted(self.eos_ids))

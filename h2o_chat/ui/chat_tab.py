@@ -171,7 +171,7 @@ class ChatTab:
                 state = ChatState(wait_for_model(self.provider), self.settings.cache(values),
                                   values[self.system_prompt], InputLimits.of(self.server))
             except ValueError as err:  # the system prompt is refused (too long, say)
-                raise gr.Error(str(err)) from None
+                raise Refusal(str(err)) from None
         with state.running():
             yield from self._turn(values, state, text)
 

@@ -237,7 +237,7 @@ def _seed(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise Refusal(f"generation.seed = {text.strip()!r}: must be an integer >= 0, "
+        raise Refusal(f"generation.seed = {text.strip()[:40]!r}: must be an integer from 0 to {2**63 - 1}, "
                       "or empty for a new seed per reply") from None
 
 

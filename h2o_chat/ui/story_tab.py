@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig, for_story
-from h2o_chat.inputs import InputLimits
+from h2o_chat.inputs import InputLimits, check_system_prompt
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import StorySession
 
@@ -118,15 +118,21 @@ class StoryTab:
             gr.Info("Waiting for the model to load…")
             yield unchanged(self.story)  # sends the toast now (see streaming.in_slot)
         loaded = wait_for_model(self.provider)
+        sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         state = values[self.state]
         if state is None or not state.continues(bible, story):
+            # Refused before the story running now is closed: it then stays as it was.
+            limits, cache = InputLimits.of(self.server), self.settings.cache(values)
+            try:
+                check_system_prompt(bible.strip(), limits, "the story bible")
+            except ValueError as err:
+                raise Refusal(str(err)) from None
             close_state(state)
             warn_dropped_pins(state and state.session)
             try:
-                state = StoryState(loaded, self.settings.cache(values), bible, InputLimits.of(self.server))
-            except ValueError as err:  # the bible is refused (too long, say)
-                raise gr.Error(str(err)) from None
-        sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
+                state = StoryState(loaded, cache, bible, limits)
+            except ValueError as err:
+                raise Refusal(str(err)) from None
         with state.running():
             try:
                 stream = state.session.send(story[len(state.session.text):],
