@@ -207,3 +207,34 @@ def test_a_file_saved_with_a_byte_budget_and_bits_resumes_with_them(browser, app
     assert messages(second, "chatbot", "bot") == messages(first, "chatbot", "bot")
 
     next_replies_are_the_same(first, second, "And its lighthouses?")
+
+
+def test_nothing_replaces_the_conversation_while_its_reply_streams(browser, app_url, tmp_path):
+    """Resume and import during a streaming reply are refused, as a second send is: the
+    page would go on showing the streaming conversation over the file's session."""
+    page = open_app(browser, app_url)
+    try:
+        configure(page, max_new_tokens=1024)  # greedy: the story runs to the slider's longest
+        story = "Write a long story about a dragon."
+        page.fill("#chat-input textarea", story)
+        page.press("#chat-input textarea", "Enter")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+            ".some(e => e.innerText.length > 20)")
+        open_files(page)
+        (tmp_path / "other.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+        (tmp_path / "other.h2o-session.zip").write_bytes(b"PK\x05\x06" + bytes(18))
+        refusal = page.locator("[data-testid=toast-body]", has_text="A reply is still streaming: press Stop (or Esc) first.")
+        for button, file in (("#chat-import-json", "other.json"), ("#chat-resume-session", "other.h2o-session.zip")):
+            upload(page, button, tmp_path / file)
+            expect(refusal).to_have_count(1)
+            expect(page.locator("#chat-files-status")).to_have_text(
+                "Not loaded: A reply is still streaming: press Stop (or Esc) first.")
+            page.locator("[data-testid=toast-close]").click()  # the next refusal shows anew
+            expect(refusal).to_have_count(0)
+        expect(page.locator("#chat-stop")).to_be_visible()  # the reply goes on
+        page.keyboard.press("Escape")
+        expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+        assert messages(page, "chatbot", "user") == [story]
+    finally:
+        page.context.close()

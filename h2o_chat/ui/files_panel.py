@@ -155,6 +155,7 @@ class FilesPanel:
     def _resumed(self, values: dict, path: Path, cache: CacheConfig, outcome: str) -> dict:
         """Resume the session file at ``path`` on a fresh cache of ``cache`` settings, in
         place of the view's session; SnapshotError or Refusal if it cannot be."""
+        _not_streaming(values[self.tab.state])
         loaded = wait_for_model(self.tab.provider)
         session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, self._runs_with(cache)),
                                kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
@@ -195,6 +196,13 @@ class FilesPanel:
         return {self.status: f"**{outcome}:** {message}"}
 
 
+def _not_streaming(state: ViewState | None) -> None:
+    """Refuse to replace a view's session while its reply streams: the page would go on
+    showing the old conversation over the new one's session."""
+    if state is not None and state.streaming:
+        raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
+
+
 class ChatFiles(FilesPanel):
     def __init__(self) -> None:
         super().__init__("chat")
@@ -211,7 +219,7 @@ class ChatFiles(FilesPanel):
         self.export_json.click(self.on_export_json, {tab.state}, [self.download, self.status])
         self.export_markdown.click(self.on_export_markdown, {tab.state}, [self.download, self.status])
         self.import_json.upload(self.on_import, {self.import_json, *self.view_inputs},
-                                self.view_outputs + self._session_outputs())
+                                self.view_outputs + self._session_outputs() + [self.adopt, self.mismatched])
 
     def on_export_json(self, values: dict) -> dict:
         return self._export(values, Transcript.to_json, ".json")
@@ -231,6 +239,7 @@ class ChatFiles(FilesPanel):
 
     def on_import(self, values: dict) -> dict:
         try:
+            _not_streaming(values[self.tab.state])
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
             transcript = read_transcript(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)
@@ -243,9 +252,9 @@ class ChatFiles(FilesPanel):
             return self._refused(f"conversation file: {err}")
         close_state(values[self.tab.state])
         return ({self.tab.state: state,
-                 self.status: f"Imported {len(transcript.messages)} messages; they are read "
-                              "into a fresh cache on the next send."}
-                | self._shown(state) | self._views(values, state))
+                 self.status: f"Imported {len(transcript.messages)} message{'s' * (len(transcript.messages) != 1)}; "
+                              "they are read into a fresh cache on the next send."}
+                | self._shown(state) | self._views(values, state) | self._no_adopt())
 
     def _session_outputs(self) -> list:
         return [self.tab.chatbot, self.tab.system_prompt]
