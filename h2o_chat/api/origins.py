@@ -35,6 +35,11 @@ def listed(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def allowed_origins(server: ServerConfig) -> list[str]:
+    """``server.allowed_origins`` as browsers write an ``Origin`` (``*``: any)."""
+    return [origin.rstrip("/").lower() for origin in listed(server.allowed_origins)]
+
+
 class OriginGuard:
     """ASGI middleware refusing (403, OpenAI's error shape) requests from a Host the
     server does not answer to or from a foreign web page; ``refused`` is told the code of
@@ -45,7 +50,7 @@ class OriginGuard:
         self.app, self.refused = app, refused
         self.hosts = {name.lower() for name in (server.host, *LOOPBACK_NAMES, *listed(server.allowed_hosts))}
         self.share = server.share
-        self.origins = {origin.rstrip("/").lower() for origin in listed(server.allowed_origins)}
+        self.origins = set(allowed_origins(server))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):

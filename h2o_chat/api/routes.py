@@ -25,7 +25,7 @@ from h2o_chat.scheduler import scheduler_for
 from .conversations import ConversationStore, check_session_id
 from .turns import Delta, Finished, Turn, TurnRunner
 from .errors import APIError
-from .origins import OriginGuard, listed
+from .origins import OriginGuard, allowed_origins
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
 from .schema import ChatRequest, parse_chat_request, short
@@ -56,7 +56,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     api = FastAPI(title="h2o-chat API", docs_url=None, redoc_url=None, openapi_url=None)
     # The pages the guard lets through may read what they are answered (a web client of
     # the user's own on another port): CORS headers and preflights for those origins.
-    api.add_middleware(CORSMiddleware, allow_origins=[origin.rstrip("/") for origin in listed(server.allowed_origins)],
+    api.add_middleware(CORSMiddleware, allow_origins=allowed_origins(server),
                        allow_methods=["GET", "HEAD", "POST"], expose_headers=["X-Session-Id"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id"])
     # Outermost: the page mounted on this app later is behind the same checks.

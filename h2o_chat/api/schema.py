@@ -14,7 +14,7 @@ from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field
 from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text
-from h2o_chat.inputs.text import check_chars, check_count
+from h2o_chat.inputs.text import check_chars, check_count, check_unicode
 
 from .errors import invalid
 
@@ -162,7 +162,7 @@ def _stops(value: Any) -> tuple[str, ...]:
             raise invalid("stop", f"stop[{index}] = {short(stop)}: must be a string of 1 to "
                                   f"{MAX_STOP_CHARS} characters")
         try:  # matched against the reply's text, which is valid Unicode
-            check_text(stop, f"stop[{index}]", MAX_STOP_CHARS, "at most")
+            check_unicode(stop, f"stop[{index}]")
         except InputError as err:
             raise invalid("stop", str(err)) from None
     return tuple(stops)
@@ -183,10 +183,13 @@ def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Mes
         raise invalid("messages", "messages must be a non-empty array of messages")
     try:
         check_count(len(value) + 1, limits, "messages (with the reply)")
+    except InputError as err:
+        raise invalid("messages", str(err)) from None
+    try:
         messages = [_message(index, item, limits) for index, item in enumerate(value)]
         check_chars(sum(len(m.content) for m in messages), limits, "messages")
     except InputError as err:
-        raise invalid("messages" if err.field.startswith("messages (") else err.field, str(err)) from None
+        raise invalid(err.field, str(err)) from None
     for index, message in enumerate(messages[1:], start=1):
         if message.role == "system":
             raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "

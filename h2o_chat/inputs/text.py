@@ -23,6 +23,11 @@ def check_text(text: object, what: str, limit: int, setting: str) -> str:
         raise InputError(f"{what} must be a string, got {type(text).__name__}", what)
     if len(text) > limit:
         raise InputError(f"{what} is {len(text):,} characters long; the limit is {limit:,} ({setting})", what)
+    return check_unicode(text, what)
+
+
+def check_unicode(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode a tokenizer can take; else InputError."""
     if bad := _SURROGATE.search(text):
         raise InputError(f"{what} contains an unpaired surrogate (U+{ord(bad.group()):04X}) at "
                          f"character {bad.start()}: not valid Unicode text", what)

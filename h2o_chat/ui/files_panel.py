@@ -31,7 +31,7 @@ from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_tran
 
 from .refusals import Refusal, warn
 from .settings import new_cache
-from .view_state import ViewState, close_state, wait_for_model
+from .view_state import ViewState, close_state, not_streaming, wait_for_model
 
 # Conversations larger than this are refused before they are read. Session files are
 # bounded by the server's request limit (server.max_request_mb): one of the default
@@ -155,7 +155,7 @@ class FilesPanel:
     def _resumed(self, values: dict, path: Path, cache: CacheConfig, outcome: str) -> dict:
         """Resume the session file at ``path`` on a fresh cache of ``cache`` settings, in
         place of the view's session; SnapshotError or Refusal if it cannot be."""
-        _not_streaming(values[self.tab.state])
+        not_streaming(values[self.tab.state])
         loaded = wait_for_model(self.tab.provider)
         session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, self._runs_with(cache)),
                                kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
@@ -196,13 +196,6 @@ class FilesPanel:
         return {self.status: f"**{outcome}:** {message}"}
 
 
-def _not_streaming(state: ViewState | None) -> None:
-    """Refuse to replace a view's session while its reply streams: the page would go on
-    showing the old conversation over the new one's session."""
-    if state is not None and state.streaming:
-        raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
-
-
 class ChatFiles(FilesPanel):
     def __init__(self) -> None:
         super().__init__("chat")
@@ -239,7 +232,7 @@ class ChatFiles(FilesPanel):
 
     def on_import(self, values: dict) -> dict:
         try:
-            _not_streaming(values[self.tab.state])
+            not_streaming(values[self.tab.state])
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
             transcript = read_transcript(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)

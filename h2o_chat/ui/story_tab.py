@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig, for_story
-from h2o_chat.inputs import InputLimits, check_system_prompt
+from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import StorySession
 
@@ -121,18 +121,13 @@ class StoryTab:
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         state = values[self.state]
         if state is None or not state.continues(bible, story):
-            # Refused before the story running now is closed: it then stays as it was.
-            limits, cache = InputLimits.of(self.server), self.settings.cache(values)
-            try:
-                check_system_prompt(bible.strip(), limits, "the story bible")
-            except ValueError as err:
+            try:  # built before the story running now closes: a refusal leaves that as it was
+                new = StoryState(loaded, self.settings.cache(values), bible, InputLimits.of(self.server))
+            except ValueError as err:  # the bible is refused (too long, say)
                 raise Refusal(str(err)) from None
             close_state(state)
             warn_dropped_pins(state and state.session)
-            try:
-                state = StoryState(loaded, cache, bible, limits)
-            except ValueError as err:
-                raise Refusal(str(err)) from None
+            state = new
         with state.running():
             try:
                 stream = state.session.send(story[len(state.session.text):],

@@ -84,7 +84,7 @@ class ViewState:
         """Hold the view's turn: two turns (or a turn and an edit) never overlap."""
         # A plain Lock, not an RLock: Gradio may resume a generator in another thread.
         if not self._turn_lock.acquire(blocking=False):
-            raise Refusal("A reply is still streaming: press Stop (or Esc) first.")
+            raise Refusal(STILL_STREAMING)
         try:
             yield
         finally:
@@ -122,6 +122,16 @@ class ViewState:
     @property
     def streaming(self) -> bool:
         return self._turn_lock.locked()
+
+
+STILL_STREAMING = "A reply is still streaming: press Stop (or Esc) first."
+
+
+def not_streaming(state: ViewState | None) -> None:
+    """Refuse to replace a view's session while its reply streams: the page would go on
+    showing the old conversation over the new one's session."""
+    if state is not None and state.streaming:
+        raise Refusal(STILL_STREAMING)
 
 
 # Views not closed yet, for the page's server line. Weak: a state Gradio deleted without
