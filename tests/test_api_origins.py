@@ -3,7 +3,9 @@ page can send without a CORS preflight, sent for real with ``httpx`` to the serv
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 
 import httpx
 import pytest
@@ -31,7 +33,7 @@ def generated(url: str) -> float:
     return read_metrics(url)["h2o_chat_generated_tokens_total"]
 
 
-def post(url: str, headers: dict[str, str], content: bytes | None = None) -> httpx.Response:
+def post(url: str, headers: dict[str, str] | list[tuple[str, str]], content: bytes | None = None) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", content=content or httpx.Request(
         "POST", url, json=BODY).content, headers=headers, timeout=120)
 
@@ -72,6 +74,30 @@ def test_the_servers_own_page_and_an_allowed_origin_work(url):
         response = post(url, {"Content-Type": "application/json", "Origin": origin})
         assert response.status_code == 200, origin
         assert response.json()["choices"][0]["message"]["content"]
+
+
+def test_two_of_a_checked_header_get_400_whichever_comes_first(url):
+    before = generated(url)
+    port = url.rsplit(":", 1)[1]
+    own, host = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
+    cases = [("Origin", [("Origin", own), ("Origin", EVIL)]), ("Origin", [("Origin", EVIL), ("Origin", own)]),
+             ("Sec-Fetch-Site", [("Sec-Fetch-Site", "same-origin"), ("Sec-Fetch-Site", "cross-site")])]
+    for name, headers in cases:
+        response = post(url, [("Content-Type", "application/json"), *headers])
+        assert response.status_code == 400, headers
+        assert response.json() == {"error": {
+            "message": f"the request has more than one {name} header: send one",
+            "type": "invalid_request_error", "param": name, "code": "duplicate_header"}}
+    # httpx will not send two Hosts; a raw request does.
+    body = json.dumps(BODY).encode()
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=60) as raw:
+        raw.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nHost: rebind.evil.example\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n".encode() + body)
+        answer = b"".join(iter(lambda: raw.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert generated(url) == before
+    assert read_metrics(url)['h2o_chat_refused_requests_total{code="duplicate_header"}'] >= len(cases)
 
 
 def test_a_preflight_from_a_foreign_origin_is_not_granted(url):

@@ -99,8 +99,9 @@ class Metrics:
             self.cancelled.labels(stage)
         self.refused = Counter("h2o_chat_refused_requests", "Requests refused before any route ran, "
                                "by why: forbidden_host (a Host the server does not answer to) or "
-                               "forbidden_origin (a web page on another origin)", ["code"], registry=registry)
-        for code in ("forbidden_host", "forbidden_origin"):
+                               "forbidden_origin (a web page on another origin) or duplicate_header (two of a "
+                               "header those checks read)", ["code"], registry=registry)
+        for code in ("forbidden_host", "forbidden_origin", "duplicate_header"):
             self.refused.labels(code)
         self.active = Gauge("h2o_chat_active_generations", "API turns generating now", registry=registry)
         self.queued = Gauge("h2o_chat_queued_requests", "API requests waiting for a generation slot",

@@ -28,6 +28,8 @@ from .errors import APIError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SHARE_DOMAIN = ".gradio.live"  # where Gradio's share tunnel serves the page from
+_CHECKED = {"host": "Host", "origin": "Origin", "sec-fetch-site": "Sec-Fetch-Site",
+            "sec-fetch-mode": "Sec-Fetch-Mode"}
 
 
 def listed(text: str) -> list[str]:
@@ -65,7 +67,15 @@ class OriginGuard:
         await self.app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> APIError | None:
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name = raw_name.decode("latin-1").lower()
+            # Two of a header the checks read could be judged on one and acted on by the
+            # other (a proxy keeping the first, this check the last): neither is trusted.
+            if name in _CHECKED and name in headers:
+                return APIError(400, f"the request has more than one {_CHECKED[name]} header: send one",
+                                param=_CHECKED[name], code="duplicate_header")
+            headers[name] = raw_value.decode("latin-1")
         host = headers.get("host", "")
         if not self.host_allowed(host):
             return APIError(403, f"Host {host[:100]!r} is not a name this server answers to: add it to "
