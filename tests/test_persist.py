@@ -588,6 +588,10 @@ def test_a_turns_chat_resumes_with_its_turns_and_identical_logits(smollm, tmp_pa
         (None, r"cache.turns must be an object with starts and opened"),
         ({"starts": [starts[1], starts[0]], "opened": 0}, r"cache.turns.starts\[1\] = \d+: must be an integer from"),
         ({"starts": starts + [10**9], "opened": 0}, r"cache.turns.starts\[3\] = 1000000000"),
+        # A start on the last token leaves no room for another: say so, not "from N to N - 1".
+        ({"starts": starts + [len(chat.tokens) - 1, 1], "opened": 0},
+         r"cache.turns.starts\[4\] = 1: no value fits here: it would have to be at least (\d+) and at most "
+         r"(?!\1)\d+ \(after the one before, within the tokens\)"),
         ({"starts": starts, "opened": starts[0] + 1}, r"cache.turns.opened = \d+: must be 0 or one of the turn starts"),
         ({"starts": list(range(10**5)), "opened": 0}, r"cache.turns.starts must be a list of at most"),
     ]:

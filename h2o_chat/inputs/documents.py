@@ -108,6 +108,9 @@ def read_member(archive: zipfile.ZipFile, name: str, max_bytes: int, what: str) 
 def require_int(value: Any, field: str, low: int, high: int, why: str = "") -> int:
     """``value`` if it is an integer in ``low..high`` (a bool is not); InputError naming
     ``field`` and the range (``why`` says where the range comes from)."""
+    if low > high:  # "from 78 to 77" would read as a typo: say that nothing fits
+        raise InputError(f"{field} = {value!r}: no value fits here: it would have to be at least {low:,} "
+                         f"and at most {high:,}" + (f" ({why})" if why else ""), field)
     if type(value) is not int or not low <= value <= high:
         raise InputError(f"{field} = {value!r}: must be an integer from {low:,} to {high:,}"
                          + (f" ({why})" if why else ""), field)
