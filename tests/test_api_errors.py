@@ -74,6 +74,9 @@ def refusal(url, status, **request):
      "messages[1].role = 'system': a system message may only come first"),
     ({"messages": [{"role": "user", "content": " \n"}]}, "messages[0].content",
      "messages[0].content is empty: the user message needs some text"),
+    # Zero-width spaces, direction marks and a byte-order mark show nothing either.
+    ({"messages": [{"role": "user", "content": "\u200b \u200f\u200e\ufeff\u2060"}]}, "messages[0].content",
+     "messages[0].content is empty: the user message needs some text"),
     ({"messages": [{"role": "user", "content": "x" * 201}]}, "messages[0].content",
      "messages[0].content is 201 characters long; the limit is 200 (server.max_message_chars)"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -82,6 +85,8 @@ def refusal(url, status, **request):
     ({"messages": [{"role": "user", "content": "x", "pin": 1}]}, "messages[0].pin",
      "messages[0].pin = 1: must be true or false"),
     ({"messages": [*USER, {"role": "assistant", "content": " \n", "pin": True}, *USER]}, "messages[1].pin",
+     "messages[1].pin: nothing to pin: the text is empty"),
+    ({"messages": [*USER, {"role": "assistant", "content": "\u200d\u200c", "pin": True}, *USER]}, "messages[1].pin",
      "messages[1].pin: nothing to pin: the text is empty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tools is not supported by this server (plain chat only)"),

@@ -392,6 +392,8 @@ API_CASES = [
     ("min_tokens over max_new_tokens", lambda smollm, files: _chat(smollm)().send(
         "Hi", max_new_tokens=4, min_new_tokens=5),
      "min_new_tokens", r"min_new_tokens = 5: must be an integer from 0 to max_new_tokens \(4\)"),
+    ("a message of invisible characters", _send_with(InputLimits(), "\u200b\u2060\ufeff \u200f"),
+     "the message", r"message is empty: type something to send"),
     ("a message over the limit", _send_with(InputLimits(), "x" * 100_001),
      "the message", r"the message is 100,001 characters long; the limit is 100,000"),
     ("a story turn past the characters", lambda smollm, files: StorySession(

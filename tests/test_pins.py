@@ -165,8 +165,9 @@ def test_matching_ignores_whitespace_and_keeps_characters_whole(smollm):
         session.pin(" Café ")
     with pytest.raises(ValueError, match="does not occur"):
         session.pin("Quentaro")
-    with pytest.raises(ValueError, match="empty"):
-        session.pin(" \n ")
+    for blank in (" \n ", "\u200b\u200e"):  # a zero-width space and a direction mark show nothing
+        with pytest.raises(ValueError, match="nothing to pin: the text is empty"):
+            session.pin(blank)
     with pytest.raises(ValueError, match="the system prompt: it always stays pinned"):
         session.unpin(session.pins()[0].id)
     with pytest.raises(ValueError, match="there is no pin 99"):

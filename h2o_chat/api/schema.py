@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field
-from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text
+from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text, is_blank
 from h2o_chat.inputs.text import check_chars, check_count, check_unicode
 
 from .errors import invalid
@@ -198,7 +198,7 @@ def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Mes
     if messages[-1].role != "user":
         raise invalid(f"messages[{last}].role", f"messages[{last}].role = {messages[-1].role!r}: "
                                                 "the last message must be the user's")
-    if not messages[-1].content.strip():  # caught here, before a stream's first event goes out
+    if is_blank(messages[-1].content):  # caught here, before a stream's first event goes out
         raise invalid(f"messages[{last}].content", f"messages[{last}].content is empty: the user "
                                                    "message needs some text")
     if messages[0].role != "system" and default_system:
@@ -222,7 +222,7 @@ def _message(index: int, item: Any, limits: InputLimits) -> Message:
     else:
         check_text(content, f"{where}.content", limits.message_chars, limits.setting("message_chars"))
     pin = _bool(item, "pin", False, f"{where}.")
-    if pin and not content.strip():  # caught here, before a stream's first event goes out
+    if pin and is_blank(content):  # caught here, before a stream's first event goes out
         raise invalid(f"{where}.pin", f"{where}.pin: nothing to pin: the text is empty")
     return Message(role, content, pin, index)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 from .limits import InputError, InputLimits
@@ -14,6 +15,13 @@ def shorten(text: str, limit: int = 60) -> str:
 
 # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def is_blank(text: str) -> bool:
+    """True if ``text`` shows nothing: only spaces and invisible format characters (zero-
+    width spaces and joiners, direction marks, byte-order marks), which ``str.strip``
+    keeps."""
+    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
 
 
 def check_text(text: object, what: str, limit: int, setting: str) -> str:

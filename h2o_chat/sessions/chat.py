@@ -11,7 +11,7 @@ from ..config import CacheConfig, GenerationConfig
 from ..engine.build import cache_from_config
 from ..engine.cache import H2OCache
 from ..sampling import Sampling
-from ..inputs import InputError, InputLimits, check_chat_turn, check_conversation
+from ..inputs import InputError, InputLimits, check_chat_turn, check_conversation, is_blank
 from ..scheduler import BatchScheduler, TakeTurns
 from .base import Session
 
@@ -80,7 +80,7 @@ class ChatSession(Session):
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
         pins the message's tokens (its content, not the template around it); ``stop``,
         once set, ends the turn (set before it begins, nothing is fed)."""
-        if not check_chat_turn(text, self.messages, self.limits).strip():
+        if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
         return self._turn(text, Sampling(**sampling), pin, stop)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..inputs import shorten
+from ..inputs import is_blank, shorten
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
@@ -20,9 +20,9 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
 def find_span(tokenizer, tokens: Sequence[int], text: str, near: int | None = None) -> tuple[int, int]:
     """The token span ``[start, end)`` of ``text``'s last occurrence in ``tokens`` (the one
     starting closest to token ``near``, if given); ValueError if it does not occur."""
-    needle = "".join(str(text).split())
-    if not needle:
+    if is_blank(str(text)):
         raise ValueError("nothing to pin: the text is empty")
+    needle = "".join(str(text).split())
     firsts, pieces = token_pieces(tokenizer, tokens)
     chars, owner = [], []  # the conversation's non-space characters, and their piece
     for index, piece in enumerate(pieces):

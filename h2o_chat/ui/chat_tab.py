@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from h2o_chat.config import AppConfig, CacheConfig
-from h2o_chat.inputs import InputLimits
+from h2o_chat.inputs import InputLimits, is_blank
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
@@ -161,7 +161,7 @@ class ChatTab:
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
-        if not text.strip():
+        if is_blank(text):
             raise Refusal("Type a message first.")
         state = values[self.state]
         if state is None:

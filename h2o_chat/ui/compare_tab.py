@@ -11,7 +11,7 @@ import gradio as gr
 from h2o_chat import make_cache
 from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.fidelity import FidelityProbe, first_divergence
-from h2o_chat.inputs import InputLimits
+from h2o_chat.inputs import InputLimits, is_blank
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
@@ -191,7 +191,7 @@ class CompareTab:
 
     def on_send(self, values: dict) -> Iterator[dict]:
         text = values[self.text]
-        if not text.strip():
+        if is_blank(text):
             raise Refusal("Type a message first.")
         if values[self.state] is None and not self.provider.ready:
             echo = echo_while_loading(text)
