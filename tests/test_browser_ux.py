@@ -56,6 +56,10 @@ def test_refusals_are_one_message_naming_the_setting(page, app_log):
     page.click("#chat-send")
     _expect_toast(page, "cache.heavy = -5: must be an integer >= 0")
     _no_error_pills(page)
+    set_number(page, "heavy", 2.5)  # refused, not run as 2
+    page.click("#chat-send")
+    _expect_toast(page, "cache.heavy = 2.5: expected int, got float; must be an integer >= 0")
+    _no_error_pills(page)
     assert page.input_value("#chat-input textarea") == "Hello there."  # kept, to send again
     page.fill("#chat-input textarea", " \u200b\u200f ")  # a zero-width space and a direction mark
     page.click("#chat-send")

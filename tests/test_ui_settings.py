@@ -123,6 +123,9 @@ def test_bad_bits_and_budgets_are_refused_by_name():
     (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str; must be one of 32, 16, 8, 4"),
     (dict(policy="h3o"), "cache.policy = 'h3o': must be one of full, h2o, recent, sink, turns"),
     (dict(policy=7), "cache.policy = 7: expected str, got int; must be one of full, h2o, recent, sink, turns"),
+    # A fraction in a whole-number box is refused, not rounded.
+    (dict(heavy=2.5), "cache.heavy = 2.5: expected int, got float; must be an integer >= 0"),
+    (dict(exact_window=0.5), "cache.exact_window = 0.5: expected int, got float; must be an integer from 0 to 1024"),
 ])
 def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
     settings = panel(AppConfig())
@@ -134,6 +137,13 @@ def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, mess
 def test_a_number_of_bits_sent_as_a_number_is_those_bits():
     settings = panel(AppConfig())
     assert settings.cache(values(settings, key_bits=8, value_bits="4")).key_bits == 8
+
+
+def test_a_whole_number_sent_as_a_float_is_that_number():
+    settings = panel(AppConfig())
+    cache = settings.cache(values(settings, heavy=12.0, recent=20, sink=2.0, exact_window=16.0))
+    assert (cache.heavy, cache.recent, cache.sink, cache.exact_window) == (12, 20, 2, 16)
+    assert all(type(n) is int for n in (cache.heavy, cache.recent, cache.sink, cache.exact_window))
 
 
 # A page on h2o's slots: what differs from a saved h2o cache is its bytes and bits only.

@@ -52,10 +52,11 @@ class Settings:
                 self.seed = gr.Textbox("" if gen.seed is None else str(gen.seed),
                                        label="seed (empty = random)", placeholder="random",
                                        elem_id="seed")
-            # No ``minimum`` on the number boxes, and dropdowns that take any value: Gradio's
-            # own checks would refuse a bad value (sent to the page's endpoints by hand)
-            # with a message that does not name the setting and a traceback in the server
-            # log; ``cache`` refuses it by name, as the config file's rules do.
+            # No ``minimum`` or ``precision`` on the number boxes, and dropdowns that take
+            # any value: Gradio's own checks would refuse a bad value (sent to the page's
+            # endpoints by hand) with a message that does not name the setting and a
+            # traceback in the server log, and its rounding would run 2.5 slots as 2
+            # without a word; ``cache`` refuses them by name, as the config file's rules do.
             gr.Markdown("Cache settings apply to the next **new chat**, **new story** or "
                         "**compare reset**; a running one keeps its cache.")
             with gr.Row():
@@ -67,12 +68,12 @@ class Settings:
                          "for chats; full: keeps all)")
                 # A slot holds one token's keys and values, in every layer and KV head.
                 self.heavy = gr.Number(
-                    cache.heavy, precision=0, label="heavy slots", elem_id="heavy",
+                    cache.heavy, label="heavy slots", elem_id="heavy",
                     info="older tokens kept because they drew the most attention")
-                self.recent = gr.Number(cache.recent, precision=0, label="recent slots",
+                self.recent = gr.Number(cache.recent, label="recent slots",
                                         elem_id="recent", info="the newest tokens, always kept")
                 self.sink = gr.Number(
-                    cache.sink, precision=0, label="sink slots", elem_id="sink",
+                    cache.sink, label="sink slots", elem_id="sink",
                     info="the first tokens, always kept: attention leans on them")
                 self.rolling = gr.Checkbox(
                     cache.rolling, label="rolling positions", elem_id="rolling",
@@ -90,7 +91,7 @@ class Settings:
                     allow_custom_value=True,
                     info="the same for values, which take 4 bits with little loss")
                 self.exact_window = gr.Number(
-                    cache.exact_window, precision=0, label="exact newest tokens", elem_id="exact-window",
+                    cache.exact_window, label="exact newest tokens", elem_id="exact-window",
                     info="kept as the model gave them beside 8- or 4-bit slots: 16 let 4-bit keys "
                          "lose about what 8-bit keys do (0: none)")
                 # A text box, for the seed's reason: empty means "count slots instead".
@@ -171,9 +172,9 @@ class Settings:
     def _cache(self, values: dict, taken: dict[str, Any]) -> CacheConfig:
         """The page's cache settings with ``taken`` in place of some, checked."""
         page = {"policy": values[self.policy], "rolling": bool(values[self.rolling]),
-                **{name: _int_or_none(values[getattr(self, name)]) for name in BUDGETS},
+                **{name: _whole(values[getattr(self, name)]) for name in BUDGETS},
                 "key_bits": _bits(values[self.key_bits]), "value_bits": _bits(values[self.value_bits]),
-                "exact_window": _int_or_none(values[self.exact_window]),
+                "exact_window": _whole(values[self.exact_window]),
                 "budget_mb": _megabytes(values[self.budget_mb])}
         cache = dataclasses.replace(self.config.cache, **(page | taken))
         return _checked(dataclasses.replace(self.config, cache=cache)).cache
@@ -241,8 +242,10 @@ def _seed(text: str) -> int | None:
                       "or empty for a new seed per reply") from None
 
 
-def _int_or_none(value: float | None) -> int | None:
-    return None if value is None else int(value)
+def _whole(value: Any) -> Any:
+    """A number box's value as an int where it is a whole number; anything else (a
+    fraction, an empty box's None) is handed on for the config's check to refuse by name."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # A saved setting whose None is a value the page can show (the model's dtype, no window,
