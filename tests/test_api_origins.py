@@ -63,6 +63,9 @@ def test_a_rebinding_host_gets_403_on_every_route(url):
             f"Host 'rebind.evil.example:{port}' is not a name this server answers to: add it to "
             "server.allowed_hosts to reach the server by that name")
     assert generated(url) == before
+    # A user name before a loopback name is not that name.
+    response = httpx.get(url + "/health", headers={"Host": f"evil.example@localhost:{port}"})
+    assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden_host"
     # Loopback names and IP literals are the server's own.
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
         assert httpx.get(url + "/health", headers={"Host": host}).status_code == 200, host
@@ -81,9 +84,13 @@ def test_two_of_a_checked_header_get_400_whichever_comes_first(url):
     port = url.rsplit(":", 1)[1]
     own, host = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
     cases = [("Origin", [("Origin", own), ("Origin", EVIL)]), ("Origin", [("Origin", EVIL), ("Origin", own)]),
-             ("Sec-Fetch-Site", [("Sec-Fetch-Site", "same-origin"), ("Sec-Fetch-Site", "cross-site")])]
+             ("Sec-Fetch-Site", [("Sec-Fetch-Site", "same-origin"), ("Sec-Fetch-Site", "cross-site")]),
+             # The upload limit (256 MB) chosen by one, the JSON parsed whole by the other.
+             ("Content-Type", [("Content-Type", "application/json"),
+                               ("content-type", "multipart/form-data; boundary=zz")]),
+             ("X-Session-Id", [("X-Session-Id", "a"), ("X-Session-Id", "b")])]
     for name, headers in cases:
-        response = post(url, [("Content-Type", "application/json"), *headers])
+        response = post(url, headers if name == "Content-Type" else [("Content-Type", "application/json"), *headers])
         assert response.status_code == 400, headers
         assert response.json() == {"error": {
             "message": f"the request has more than one {name} header: send one",

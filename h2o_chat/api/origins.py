@@ -28,8 +28,10 @@ from .errors import APIError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SHARE_DOMAIN = ".gradio.live"  # where Gradio's share tunnel serves the page from
-_CHECKED = {"host": "Host", "origin": "Origin", "sec-fetch-site": "Sec-Fetch-Site",
-            "sec-fetch-mode": "Sec-Fetch-Mode"}
+# Headers some layer reads as one value: two of one could be judged on one and acted on
+# by the other (the size limit reading the last Content-Type, the body parser the first).
+_SINGLE = {name.lower(): name for name in ("Host", "Origin", "Sec-Fetch-Site", "Sec-Fetch-Mode", "Content-Type",
+                                           "Content-Length", "Authorization", "X-Session-Id")}
 
 
 def listed(text: str) -> list[str]:
@@ -44,8 +46,9 @@ def allowed_origins(server: ServerConfig) -> list[str]:
 
 class OriginGuard:
     """ASGI middleware refusing (403, OpenAI's error shape) requests from a Host the
-    server does not answer to or from a foreign web page; ``refused`` is told the code of
-    each refusal (for the metrics)."""
+    server does not answer to or from a foreign web page, and (400) requests with two of
+    a header that is read as one; ``refused`` is told the code of each refusal (for the
+    metrics)."""
 
     def __init__(self, app: ASGIApp, server: ServerConfig,
                  refused: Callable[[str], None] = lambda code: None) -> None:
@@ -70,11 +73,9 @@ class OriginGuard:
         headers: dict[str, str] = {}
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1").lower()
-            # Two of a header the checks read could be judged on one and acted on by the
-            # other (a proxy keeping the first, this check the last): neither is trusted.
-            if name in _CHECKED and name in headers:
-                return APIError(400, f"the request has more than one {_CHECKED[name]} header: send one",
-                                param=_CHECKED[name], code="duplicate_header")
+            if name in _SINGLE and name in headers:
+                return APIError(400, f"the request has more than one {_SINGLE[name]} header: send one",
+                                param=_SINGLE[name], code="duplicate_header")
             headers[name] = raw_value.decode("latin-1")
         host = headers.get("host", "")
         if not self.host_allowed(host):
@@ -119,6 +120,8 @@ class OriginGuard:
 def _hostname(host: str) -> str | None:
     """The name in a Host header without its port (``[::1]:7860`` -> ``::1``); None if
     it is not one."""
+    if "@" in host:  # read as a user name by urlsplit: "evil.example@localhost" is no host
+        return None
     try:
         name = urlsplit(f"//{host}").hostname
     except ValueError:
