@@ -59,6 +59,15 @@ def test_greedy_reply_equals_the_same_turn_through_chat_session(smollm, config, 
     assert h2o["tokens_seen"] == usage.total_tokens - 1  # the last token waits for the next turn
 
 
+def test_fields_that_ask_for_nothing_are_taken(url):
+    """What clients send by default: no tools, no penalties. Refused, they broke clients."""
+    plain, _ = ask(url, [{"role": "user", "content": QUESTION}])
+    asked, _ = ask(url, [{"role": "user", "content": QUESTION}], tools=[], tool_choice="none",
+                   presence_penalty=0, frequency_penalty=0.0, logprobs=False,
+                   extra_body={"function_call": "none"})
+    assert asked.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_streamed_reply_equals_the_whole_one_and_ends_with_usage(url):
     whole, _ = ask(url, [{"role": "user", "content": "Name three colours."}])
     chunks = list(client(url).chat.completions.create(

@@ -92,6 +92,13 @@ def refusal(url, status, **request):
      "tools is not supported by this server (plain chat only)"),
     # Not false: a number where a boolean or an object goes asks for something.
     ({"logprobs": 0}, "logprobs", "logprobs is not supported by this server (plain chat only)"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server (plain chat only)"),
+    # Ignored, a penalty would change the reply without a word.
+    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty = 0.5: only 0 is supported by this "
+                                                    "server (no penalties)"),
+    ({"frequency_penalty": "abc"}, "frequency_penalty", "frequency_penalty = 'abc': must be a number from -2 to 2"),
+    ({"frequency_penalty": 3}, "frequency_penalty", "frequency_penalty = 3: must be a number from -2 to 2"),
+    ({"presence_penalty": True}, "presence_penalty", "presence_penalty = True: must be a number from -2 to 2"),
     ({"extra_body": {"logit_bias": 0}}, "logit_bias", "logit_bias is not supported by this server (plain chat only)"),
 ])
 def test_bad_fields_get_400_naming_the_field_and_the_allowed_range(url, request_fields, param, message):

@@ -31,6 +31,8 @@ ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newe
 # llama.cpp's and vLLM's servers do, since clients add their own (user, metadata, ...).
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
                 "logit_bias", "audio", "modalities", "prediction")
+# Sampling penalties (OpenAI's range): only 0, which clients send as their default.
+_PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
     if not isinstance(body, Mapping):
         raise invalid("body", f"the request body must be a JSON object, got {_json_type(body)}")
     for name in _UNSUPPORTED:
-        if not _asks_nothing(body.get(name)):
+        if not _asks_nothing(name, body.get(name)):
             raise invalid(name, f"{name} is not supported by this server (plain chat only)")
+    for name in _PENALTIES:
+        _penalty(name, body.get(name))
     _check_response_format(body.get("response_format"))
     model = body.get("model")
     if model is not None and not (isinstance(model, str) and len(model) <= MAX_MODEL_CHARS):
@@ -103,10 +107,21 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
     )
 
 
-def _asks_nothing(value: Any) -> bool:
-    """Whether an unsupported field's value asks for nothing: null, false, empty (a 0 is
-    not false here: its type is already wrong)."""
-    return value is None or value is False or (isinstance(value, (list, Mapping)) and not value)
+def _asks_nothing(name: str, value: Any) -> bool:
+    """Whether an unsupported field's value asks for nothing: null, false, empty, a tool
+    choice of "none" (a 0 is not false here: its type is already wrong)."""
+    return (value is None or value is False or (isinstance(value, (list, Mapping)) and not value)
+            or (name in ("tool_choice", "function_call") and value == "none"))
+
+
+def _penalty(name: str, value: Any) -> None:
+    """A penalty is refused unless it is 0 (or absent): ignored, any other would change
+    the reply without a word."""
+    if value is None or (type(value) in (int, float) and value == 0):
+        return
+    if type(value) not in (int, float) or not -2 <= value <= 2:
+        raise invalid(name, f"{name} = {short(value)}: must be a number from -2 to 2")
+    raise invalid(name, f"{name} = {value!r}: only 0 is supported by this server (no penalties)")
 
 
 def _json_type(value: Any) -> str:
