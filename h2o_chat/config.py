@@ -118,6 +118,10 @@ class ServerConfig:
     # A browser session's caches are freed after this long without a turn (and at once
     # when its tab closes).
     idle_release_minutes: float = 30.0
+    # Chats, stories and comparisons open in pages at once, over all browsers; a new one
+    # past this count is refused. Each holds its caches (a budget of up to the model's
+    # context), so this bounds what pages can make the server hold.
+    max_page_conversations: int = 32
     # Optional login. The environment variables H2O_CHAT_USERNAME / H2O_CHAT_PASSWORD
     # override these, so a password need not sit in a file.
     username: str | None = None
@@ -221,6 +225,7 @@ _RULES: dict[str, _Rule] = {
     "server.max_concurrent_generations": _int_between(1, 64),
     "server.idle_release_minutes": _Rule(lambda v: 0 < v <= 7 * 24 * 60,
                                          "must be a number of minutes > 0 and <= 10080 (a week)"),
+    "server.max_page_conversations": _int_between(1, 4096),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
     "server.api_key": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),

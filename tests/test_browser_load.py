@@ -35,6 +35,7 @@ MAX_NEW_TOKENS = 8
 SAMPLED = {"temperature": 1, "top_p": 0.9, "max_new_tokens": MAX_NEW_TOKENS}
 SEEDS = [101, 102, 103, 104]
 LIMIT = 2  # generations at once: four browsers make two of them wait
+PAGE_CONVERSATIONS = 4  # open at once: as many as the four browsers above
 MAX_MESSAGE_CHARS = 2000
 
 
@@ -42,7 +43,8 @@ MAX_MESSAGE_CHARS = 2000
 def app_url(tmp_path_factory):
     config = tmp_path_factory.mktemp("config") / "load.yaml"
     config.write_text(f"server:\n  max_concurrent_generations: {LIMIT}\n"
-                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n")
+                      f"  max_message_chars: {MAX_MESSAGE_CHARS}\n"
+                      f"  max_page_conversations: {PAGE_CONVERSATIONS}\n")
     with running_app("--config", str(config)) as url:
         yield url
 
@@ -227,3 +229,38 @@ def test_page_and_api_turns_share_one_admission(browser, app_url):
             connection.close()
         page.context.close()
     _until(app_url, lambda m: m["h2o_chat_generations_running"] == m["h2o_chat_generations_waiting"] == 0)
+
+
+def test_a_conversation_past_the_pages_limit_is_refused_until_a_tab_closes(browser, app_url):
+    pages = [open_app(browser, app_url) for _ in range(PAGE_CONVERSATIONS + 1)]
+    *holding, last = pages
+    try:
+        # Every earlier page of this module was closed: none is open.
+        last.wait_for_function(
+            "document.querySelector('#server-load').innerText.includes('0 conversations open')",
+            timeout=30_000)
+        for page in holding:
+            configure(page, max_new_tokens=2)
+            page.fill("#chat-input textarea", "Hi!")
+            page.click("#chat-send")
+        for page in holding:
+            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        configure(last, max_new_tokens=2)
+        last.fill("#chat-input textarea", "Hello!")
+        last.click("#chat-send")
+        expect(last.locator("[data-testid=toast-body]", has_text=(
+            f"The server holds {PAGE_CONVERSATIONS} conversations open in pages, its limit "
+            "(server.max_page_conversations): close a tab you no longer use, or wait until one idle "
+            "for 30 minutes is freed."))).to_have_count(1)
+        assert messages(last, "chatbot", "user") == []
+        assert last.input_value("#chat-input textarea") == "Hello!"  # kept, to send again
+        holding.pop().context.close()
+        last.wait_for_function(
+            f"document.querySelector('#server-load').innerText.includes('{PAGE_CONVERSATIONS - 1} "
+            "conversations open')", timeout=30_000)
+        last.click("#chat-send")
+        last.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        assert messages(last, "chatbot", "user") == ["Hello!"]
+    finally:
+        for page in [*holding, last]:
+            page.context.close()

@@ -22,7 +22,7 @@ from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import (
-    ViewState, browser_state, close_state, generating, unchanged, wait_for_model,
+    ViewState, admit, browser_state, close_state, generating, unchanged, wait_for_model,
 )
 
 GAUGE_LABEL = "Token counter"
@@ -165,6 +165,7 @@ class ChatTab:
             raise Refusal("Type a message first.")
         state = values[self.state]
         if state is None:
+            admit(self.server)
             if not self.provider.ready:
                 yield {self.chatbot: echo_while_loading(text)}
             try:

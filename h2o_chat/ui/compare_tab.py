@@ -29,7 +29,7 @@ from .retention import token_pieces
 from .settings import Settings, budget, new_cache
 from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot
 from .view_state import (
-    Snapshot, ViewState, browser_state, close_state, generating, wait_for_model,
+    Snapshot, ViewState, admit, browser_state, close_state, generating, wait_for_model,
 )
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
@@ -193,9 +193,11 @@ class CompareTab:
         text = values[self.text]
         if is_blank(text):
             raise Refusal("Type a message first.")
-        if values[self.state] is None and not self.provider.ready:
-            echo = echo_while_loading(text)
-            yield {self.bounded_chat: echo, self.full_chat: echo}
+        if values[self.state] is None:
+            admit(self.server)
+            if not self.provider.ready:
+                echo = echo_while_loading(text)
+                yield {self.bounded_chat: echo, self.full_chat: echo}
         loaded = wait_for_model(self.provider)
         state = values[self.state] or CompareState(
             loaded, self.settings.cache(values), self.config.generation.system_prompt,

@@ -31,7 +31,7 @@ from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_tran
 
 from .refusals import Refusal, warn
 from .settings import new_cache
-from .view_state import ViewState, close_state, not_streaming, wait_for_model
+from .view_state import ViewState, admit, close_state, not_streaming, wait_for_model
 
 # Conversations larger than this are refused before they are read. Session files are
 # bounded by the server's request limit (server.max_request_mb): one of the default
@@ -156,6 +156,7 @@ class FilesPanel:
         """Resume the session file at ``path`` on a fresh cache of ``cache`` settings, in
         place of the view's session; SnapshotError or Refusal if it cannot be."""
         not_streaming(values[self.tab.state])
+        admit(self.tab.server, values[self.tab.state])
         loaded = wait_for_model(self.tab.provider)
         session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, self._runs_with(cache)),
                                kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,

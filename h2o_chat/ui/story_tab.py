@@ -21,7 +21,7 @@ from .refusals import Refusal, refusing
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
-from .view_state import ViewState, browser_state, close_state, generating, unchanged, wait_for_model
+from .view_state import ViewState, admit, browser_state, close_state, generating, unchanged, wait_for_model
 
 GAUGE_LABEL = "Story cache"
 
@@ -121,6 +121,7 @@ class StoryTab:
         sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
         state = values[self.state]
         if state is None or not state.continues(bible, story):
+            admit(self.server, state)
             try:  # built before the story running now closes: a refusal leaves that as it was
                 new = StoryState(loaded, self.settings.cache(values), bible, InputLimits.of(self.server))
             except ValueError as err:  # the bible is refused (too long, say)

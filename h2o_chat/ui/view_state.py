@@ -127,6 +127,17 @@ class ViewState:
 STILL_STREAMING = "A reply is still streaming: press Stop (or Esc) first."
 
 
+def admit(server: ServerConfig, replacing: ViewState | None = None) -> None:
+    """Refuse a new view state when pages hold ``server.max_page_conversations`` already
+    (``replacing``, closed once the new one stands, not counted): every state holds its
+    caches until its tab closes or it idles out."""
+    held = sum(state is not replacing for state in list(_open_states))
+    if held >= server.max_page_conversations:
+        raise Refusal(f"The server holds {held} conversations open in pages, its limit "
+                      f"(server.max_page_conversations): close a tab you no longer use, or wait until "
+                      f"one idle for {server.idle_release_minutes:g} minutes is freed.")
+
+
 def not_streaming(state: ViewState | None) -> None:
     """Refuse to replace a view's session while its reply streams: the page would go on
     showing the old conversation over the new one's session."""
