@@ -146,13 +146,27 @@ def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url)
     assert metric(url, "h2o_chat_batched_decode_rows_total") > batched  # they decoded as one batch
 
 
-def test_stop_strings_cut_the_reply_before_them(url):
+def test_stop_strings_cut_the_reply_before_them(smollm, config, url):
     whole, _ = ask(url, [{"role": "user", "content": QUESTION}])
     text = whole.choices[0].message.content
     word = text.split()[2]
-    cut, _ = ask(url, [{"role": "user", "content": QUESTION}], stop=[word, "never-there"])
-    assert cut.choices[0].message.content == text[: text.index(word)]
-    assert cut.choices[0].finish_reason == "stop"
+    # The reply's tokens up to the one that completes the stop string: what the usage counts,
+    # however far the server sampled past it before the stream closed.
+    reference = reference_session(smollm, config)
+    "".join(reference.send(QUESTION, **SAME_AS_GREEDY))
+    tokens = next(count for count in range(1, len(reference.reply) + 1)
+                  if word in reference.decode(reference.reply[:count]))
+    messages, stop = [{"role": "user", "content": QUESTION}], [word, "never-there"]
+    for _ in range(2):  # how far the server samples ahead varies from run to run
+        cut, _ = ask(url, messages, stop=stop)
+        assert cut.choices[0].message.content == text[: text.index(word)]
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens == tokens
+        chunks = list(client(url).chat.completions.create(
+            model=MODEL_ID, messages=messages, stop=stop, stream=True,
+            stream_options={"include_usage": True}, **GREEDY))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.index(word)]
+        assert chunks[-1].usage.completion_tokens == tokens
 
 
 def test_ignore_eos_and_min_tokens_make_replies_of_an_exact_length(url):

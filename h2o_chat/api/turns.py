@@ -196,7 +196,9 @@ class TurnRunner:
                 return
             reply = Message("assistant", session.messages[-1]["content"])
             self.store.checkin(conversation, request.messages + (reply,), after)
-            turn.emit(Finished(finish, Usage(after.tokens - after.generated, after.generated, before.fed),
+            # A stop string closed the stream: the tokens sampled past it are not the reply's.
+            completion = after.generated - after.untaken
+            turn.emit(Finished(finish, Usage(after.tokens - after.generated, completion, before.fed),
                                h2o_report(conversation.id, after)))
         except Exception as err:
             self.store.checkin(conversation, None)
