@@ -49,6 +49,11 @@ def test_a_cross_site_simple_post_gets_403_and_generates_nothing(url):
     # Without an Origin header, a cross-site fetch is still told apart by Sec-Fetch-Site.
     blind = post(url, {"Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"})
     assert blind.status_code == 403 and blind.json()["error"]["param"] == "Sec-Fetch-Site"
+    # A link from another site opens the page, but does not log its user out.
+    link = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}
+    assert httpx.get(url + "/health", headers=link).status_code == 200
+    logout = httpx.get(url + "/logout", headers=link)
+    assert logout.status_code == 403 and logout.json()["error"]["param"] == "Sec-Fetch-Site"
     assert generated(url) == before
 
 

@@ -11,7 +11,8 @@ use it. Two checks, for every route (API and page alike), before anything runs:
   ``text/plain`` fetch) without a CORS preflight. Requests whose ``Origin`` is not the
   server's own (or ``Sec-Fetch-Site: cross-site`` without one) are refused unless the
   origin is in ``server.allowed_origins``. A link followed to the page (a top-level GET
-  navigation) still opens it: a navigation reads nothing back and acts on nothing.
+  navigation) still opens it: a navigation reads nothing back and acts on nothing (but
+  ``/logout``, which a link from another site could follow to log the user out).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .errors import APIError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SHARE_DOMAIN = ".gradio.live"  # where Gradio's share tunnel serves the page from
+LOGOUT = "/logout"  # Gradio's: a GET that acts
 # Headers some layer reads as one value: two of one could be judged on one and acted on
 # by the other (the size limit reading the last Content-Type, the body parser the first).
 _SINGLE = {name.lower(): name for name in ("Host", "Origin", "Sec-Fetch-Site", "Sec-Fetch-Mode", "Content-Type",
@@ -89,7 +91,8 @@ class OriginGuard:
             return APIError(403, f"requests from the web page at {origin[:100]!r} are refused: add that "
                                  "origin to server.allowed_origins to let its pages use this server",
                             param="Origin", code="forbidden_origin")
-        navigation = headers.get("sec-fetch-mode") == "navigate" and scope.get("method") in ("GET", "HEAD")
+        navigation = (headers.get("sec-fetch-mode") == "navigate" and scope.get("method") in ("GET", "HEAD")
+                      and scope.get("path") != LOGOUT)
         if headers.get("sec-fetch-site") == "cross-site" and not navigation and "*" not in self.origins:
             return APIError(403, "cross-site requests are refused: send them from the server's own page "
                                  "or from an origin in server.allowed_origins",
