@@ -68,11 +68,14 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
     assert settings.seed.value == ""  # the config's seed: null
     assert settings.sampling(values(settings))["seed"] is None
     assert settings.sampling(values(settings, seed=" 7 "))["seed"] == 7
+    assert settings.sampling(values(settings, max_new_tokens=12.0))["max_new_tokens"] == 12
     top = 2**63 - 1  # torch's generators take no larger seed
     for changed, message in [(dict(seed="abc"), f"generation.seed = 'abc': must be an integer from 0 to {top}"),
                              (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}"),
                              (dict(seed=str(2**64)), f"generation.seed = {2**64}: must be an integer from 0 to {top}"),
-                             (dict(top_p=0), "generation.top_p = 0.0")]:
+                             (dict(top_p=0), "generation.top_p = 0.0"),
+                             # Refused, not run as 4 while the slider shows 5.
+                             (dict(max_new_tokens=4.5), "generation.max_new_tokens = 4.5: expected int, got float")]:
         with pytest.raises(Refusal, match=re.escape(message)):
             settings.sampling(values(settings, **changed))
     with pytest.raises(Refusal, match=re.escape("cache.heavy = -5: must be an integer >= 0")):

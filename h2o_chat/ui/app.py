@@ -13,7 +13,7 @@ from h2o_chat.runtime import ModelProvider
 
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
-from .controls import ESC_STOPS, SendStopSwap
+from .controls import ESC_STOPS, SendStopSwap, ended_either_way
 from .reload_notice import say_when_reloaded
 from .settings import Settings
 from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
@@ -123,7 +123,8 @@ def follow_server_load(demo: gr.Blocks, server: ServerConfig, swaps: list[SendSt
         # In the page, as the swap: a server's answer could come after the turn ended.
         swap.started.then(None, None, busy_poll, js=START_TIMER, queue=False, show_progress="hidden")
         for turn in swap.turns:  # "multiple": see ``SendStopSwap.until``
-            turn.then(after_turn, states, [line, busy_poll], trigger_mode="multiple", **options)
+            for ended in ended_either_way(turn):
+                ended(after_turn, states, [line, busy_poll], trigger_mode="multiple", **options)
 
 
 def server_line(server: ServerConfig) -> str:

@@ -22,7 +22,7 @@ from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import (
-    ViewState, admit, browser_state, close_state, generating, unchanged, wait_for_model,
+    ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
 )
 
 GAUGE_LABEL = "Token counter"
@@ -231,6 +231,8 @@ class ChatTab:
                     | self.views(values, state, True))
 
     def on_new(self, values: dict) -> dict:
+        # The running turn's updates would go on drawing the old conversation over the new.
+        not_streaming(values[self.state])
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [], self.ran_with: NOTHING_YET,

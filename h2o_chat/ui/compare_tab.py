@@ -27,9 +27,9 @@ from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
 from .settings import Settings, budget, new_cache
-from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot
+from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot, reply_failed
 from .view_state import (
-    Snapshot, ViewState, admit, browser_state, close_state, generating, wait_for_model,
+    Snapshot, ViewState, admit, browser_state, close_state, generating, not_streaming, wait_for_model,
 )
 
 BOUNDED, FULL = "bounded", "full"  # the two sides
@@ -273,22 +273,30 @@ class CompareTab:
         replies = dict(so_far)
         steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
         update = {}  # what changed since the last push
-        for side, chunk in steps:
-            if state.closed:
-                return
-            replies[side] += chunk
-            update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
-            if throttle.due():
-                update |= self._views(values, state, steps.busy, final=False)
-            elif not paced.due():
-                continue
-            yield update
-            update = {}
+        limit = sampling["max_new_tokens"]
+
+        def final() -> dict:
+            return ({chats[side]: marked(state.shown(side), session, limit) for side, session in state.sides.items()}
+                    | self._views(values, state, steps.busy, final=True))
+
+        try:
+            for side, chunk in steps:
+                if state.closed:
+                    return
+                replies[side] += chunk
+                update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
+                if throttle.due():
+                    update |= self._views(values, state, steps.busy, final=False)
+                elif not paced.due():
+                    continue
+                yield update
+                update = {}
+        except Exception as err:  # as ``stream_turn``: what the sessions hold, then the error
+            if not state.closed:
+                yield final()
+            raise reply_failed(err) from err
         if not state.closed:
-            limit = sampling["max_new_tokens"]
-            yield ({chats[side]: marked(state.shown(side), session, limit)
-                    for side, session in state.sides.items()}
-                   | self._views(values, state, steps.busy, final=True))
+            yield final()
 
     def _views(self, values: dict, state: CompareState, busy: dict[str, float],
                final: bool) -> dict:
@@ -347,6 +355,8 @@ class CompareTab:
         return empty_gauge(bounded_label(cache), budget(cache, self.provider.loaded_model), cache)
 
     def on_reset(self, values: dict) -> dict:
+        # The running turn's updates would go on drawing the old conversation over the new.
+        not_streaming(values[self.state])
         cache = self.settings.cache(values)  # refused before anything closes
         close_state(values[self.state])
         return self._idle_bounded(cache) | {

@@ -55,6 +55,13 @@ def _stop(view: ViewState | None, signal: StopSignal) -> None:
     stop_state(view)  # a turn that began before its signal was renewed holds another event
 
 
+def ended_either_way(event: Dependency) -> tuple:
+    """What chains a step after ``event`` whether it succeeds or fails. Gradio 6.31's page
+    runs a ``.then`` step after success alone (its docs say either way), so after a
+    failed turn Stop stayed shown for good; ``.failure`` runs after a failure alone."""
+    return event.then, event.failure
+
+
 class SendStopSwap:
     """Shows ``stop`` instead of ``send`` while a turn runs or waits, and makes Stop stop
     it. Only the page shows Stop and only a turn's end shows Send, so the two cannot be
@@ -112,5 +119,6 @@ class SendStopSwap:
         # another is in flight, so a refused turn's, answered late by a busy server, ate
         # the running turn's and left Stop shown.
         for event in events:
-            event.then(after, [self.state], [self.send, self.stop], queue=False,
-                       show_progress="hidden", trigger_mode="multiple")
+            for ended in ended_either_way(event):
+                ended(after, [self.state], [self.send, self.stop], queue=False,
+                      show_progress="hidden", trigger_mode="multiple")

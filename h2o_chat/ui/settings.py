@@ -118,7 +118,7 @@ class Settings:
         a ``Refusal`` naming the setting if one is bad. No seed: a new one per reply."""
         generation = dataclasses.replace(
             self.config.generation, temperature=float(values[self.temperature]),
-            top_p=float(values[self.top_p]), max_new_tokens=int(values[self.max_new_tokens]),
+            top_p=float(values[self.top_p]), max_new_tokens=_whole(values[self.max_new_tokens]),
             seed=_seed(values[self.seed]))
         generation = _checked(dataclasses.replace(self.config, generation=generation)).generation
         return {name: getattr(generation, name)

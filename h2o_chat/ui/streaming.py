@@ -104,6 +104,12 @@ class Interleaved:
             self.busy[key] += self.clock() - started
 
 
+def reply_failed(err: Exception) -> gr.Error:
+    """What the page shows of a failure inside a turn, once the final views are out."""
+    return gr.Error(f"The reply failed: {type(err).__name__}: {err}. The conversation keeps what was "
+                    "generated before the failure; you can send again.")
+
+
 def stream_turn(
     stream: Iterator[str],
     show: Callable[[str], dict],
@@ -133,7 +139,6 @@ def stream_turn(
         # show what it holds now, then the error, and the next turn starts from there.
         if not closed():
             yield final() | views(True)
-        raise gr.Error(f"The reply failed: {type(err).__name__}: {err}. The conversation "
-                       "keeps what was generated before the failure; you can send again.") from err
+        raise reply_failed(err) from err
     if not closed():
         yield final() | views(True)
