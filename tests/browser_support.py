@@ -58,8 +58,9 @@ def listens_on(pid: int, port: int) -> bool:
 
 @contextmanager
 def running_app(*args: str, timeout: float = 120, log_path: Path | None = None,
-                env: dict[str, str] | None = None, attempts: int = 3) -> Iterator[str]:
-    """Start ``app.py`` on a free port with ``args`` (and ``env`` added to its
+                env: dict[str, str] | None = None, attempts: int = 3,
+                script: Path = ROOT / "app.py") -> Iterator[str]:
+    """Start ``script`` (the app) on a free port with ``args`` (and ``env`` added to its
     environment); yield its URL once it listens there and answers; stop it at the end. A
     port taken before the app could bind it costs a new start on another port, up to
     ``attempts`` starts. Its output goes to a log that a failure to start shows, kept at
@@ -69,7 +70,7 @@ def running_app(*args: str, timeout: float = 120, log_path: Path | None = None,
         port = free_port()
         log = (open(log_path, "w+") if log_path else
                tempfile.NamedTemporaryFile("w+", prefix="h2o-chat-app-", suffix=".log", delete=False))
-        process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), *args],
+        process = subprocess.Popen([sys.executable, str(script), "--port", str(port), *args],
                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}/"
         try:

@@ -1,0 +1,50 @@
+"""A reply that fails inside its turn, in the real app (with a failure injected, see
+``failing_app.py``) and Debian's chromium: the page says so once, Send (Continue) comes
+back in every view, and the conversation goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect
+
+from .browser_support import DONE_TIMEOUT_MS, configure, messages, open_tab, running_app
+from .failing_app import FAIL_MARK
+
+FAILED = ("The reply failed: RuntimeError: injected failure mid-reply. The conversation keeps what "
+          "was generated before the failure; you can send again.")
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app(script=Path(__file__).parent / "failing_app.py") as url:
+        yield url
+
+
+def _failed_then_back(page, send: str, stop: str) -> None:
+    expect(page.locator("[data-testid=toast-body]", has_text=FAILED).first).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    expect(page.locator(send)).to_be_visible(timeout=30_000)
+    expect(page.locator(stop)).to_be_hidden()
+
+
+def test_after_a_failed_reply_send_comes_back_in_every_view(page):
+    configure(page, max_new_tokens=8)
+    page.fill("#chat-input textarea", f"{FAIL_MARK} Say something.")
+    page.click("#chat-send")
+    _failed_then_back(page, "#chat-send", "#chat-stop")
+    page.fill("#chat-input textarea", "Are you there?")
+    page.click("#chat-send")
+    expect(page.locator("#chatbot [data-testid=bot]")).to_have_count(2, timeout=DONE_TIMEOUT_MS)
+    expect(page.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    assert messages(page, "chatbot", "user")[-1] == "Are you there?"
+
+    open_tab(page, "Story")
+    page.fill("#story-text textarea", f"{FAIL_MARK} Once upon a time")
+    page.click("#story-continue")
+    _failed_then_back(page, "#story-continue", "#story-stop")
+
+    open_tab(page, "Compare")
+    page.fill("#compare-input textarea", f"{FAIL_MARK} Say something.")
+    page.click("#compare-send")
+    _failed_then_back(page, "#compare-send", "#compare-stop")
