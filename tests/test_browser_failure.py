@@ -1,6 +1,7 @@
-"""A reply that fails inside its turn, in the real app (with a failure injected, see
-``failing_app.py``) and Debian's chromium: the page says so once, Send (Continue) comes
-back in every view, and the conversation goes on."""
+"""Turns that end badly, in the real app (with a failure injected, see ``failing_app.py``)
+and Debian's chromium: a reply that fails inside its turn (the page says so, Send or
+Continue comes back in every view, the conversation goes on), and a view reset while its
+reply streams (refused: the turn would go on drawing over the new conversation)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from .browser_support import DONE_TIMEOUT_MS, configure, messages, open_tab, running_app
+from .browser_support import DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, messages, open_tab, running_app
 from .failing_app import FAIL_MARK
 
+STREAMING = "A reply is still streaming: press Stop (or Esc) first."
 FAILED = ("The reply failed: RuntimeError: injected failure mid-reply. The conversation keeps what "
           "was generated before the failure; you can send again.")
 
@@ -48,3 +50,18 @@ def test_after_a_failed_reply_send_comes_back_in_every_view(page):
     page.fill("#compare-input textarea", f"{FAIL_MARK} Say something.")
     page.click("#compare-send")
     _failed_then_back(page, "#compare-send", "#compare-stop")
+
+
+def test_a_view_reset_while_its_reply_streams_is_refused(page):
+    configure(page, max_new_tokens=300, **LONG_COUNTING_REPLY)
+    page.fill("#chat-input textarea", "Count from one to two hundred in words.")
+    page.click("#chat-send")
+    page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+                           ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
+    page.click("#chat-new")
+    expect(page.locator("[data-testid=toast-body]", has_text=STREAMING)).to_have_count(1)
+    assert messages(page, "chatbot", "user") == ["Count from one to two hundred in words."]
+    page.click("#chat-stop")
+    expect(page.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    page.click("#chat-new")  # once the reply stopped, New chat clears it
+    expect(page.locator("#chatbot [data-testid=user]")).to_have_count(0)
