@@ -232,7 +232,8 @@ def test_a_refused_turn_answered_late_leaves_send_to_the_running_one(page):
     must still run and show Send. (Gradio's default for such an event, "once", dropped
     the second while the first was pending: Stop stayed, with nothing to stop.)"""
     events = set(page.evaluate(SWAP_BACK_EVENTS, "chat"))
-    assert len(events) == 4  # send, regenerate, edit, continue
+    # Send, regenerate, edit and continue, each chained after success and after failure.
+    assert len(events) == 8
     held = []
 
     def hold_the_first_swap(route):
