@@ -71,6 +71,24 @@ def _server_line(page) -> str:
     return page.locator("#server-load").inner_text()
 
 
+def _wait_until_open(page, count: int, timeout: float = 30_000) -> None:
+    """Until the server line counts ``count`` conversations open."""
+    page.wait_for_function(f"document.querySelector('#server-load').innerText"
+                           f".includes('{count} conversation{'s' * (count != 1)} open')", timeout=timeout)
+
+
+def _hold_conversations(pages, max_new_tokens: int) -> None:
+    """Each page says "Hi!" in its chat, which opens a conversation there; back once every
+    reply ended."""
+    for page in pages:
+        configure(page, max_new_tokens=max_new_tokens)
+        page.fill("#chat-input textarea", "Hi!")
+        page.click("#chat-send")
+    for page in pages:
+        page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+
+
 def test_four_browsers_five_turns_each_equal_their_conversations_run_alone(browser, app_url, smollm):
     pages = [open_app(browser, app_url) for _ in CONVERSATIONS]
     queued = False
@@ -129,22 +147,12 @@ def test_a_message_over_the_limit_is_refused_in_the_page_and_the_chat_goes_on(br
 def test_closing_tabs_frees_their_sessions_at_once(browser, app_url):
     pages = [open_app(browser, app_url) for _ in range(3)]
     try:
-        for page in pages:
-            configure(page, max_new_tokens=4)
-            page.fill("#chat-input textarea", "Hi!")
-            page.click("#chat-send")
-        for page in pages:
-            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
-            page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
+        _hold_conversations(pages, max_new_tokens=4)
         # Every earlier page of this module was closed too: only these three are open.
-        pages[0].wait_for_function(
-            "document.querySelector('#server-load').innerText.includes('3 conversations open')",
-            timeout=20_000)
+        _wait_until_open(pages[0], 3, timeout=20_000)
         for page in pages[1:]:
             page.context.close()
-        pages[0].wait_for_function(
-            "document.querySelector('#server-load').innerText.includes('1 conversation open')",
-            timeout=30_000)
+        _wait_until_open(pages[0], 1)
         assert "0 generating" in _server_line(pages[0])
     finally:
         pages[0].context.close()
@@ -236,15 +244,8 @@ def test_a_conversation_past_the_pages_limit_is_refused_until_a_tab_closes(brows
     *holding, last = pages
     try:
         # Every earlier page of this module was closed: none is open.
-        last.wait_for_function(
-            "document.querySelector('#server-load').innerText.includes('0 conversations open')",
-            timeout=30_000)
-        for page in holding:
-            configure(page, max_new_tokens=2)
-            page.fill("#chat-input textarea", "Hi!")
-            page.click("#chat-send")
-        for page in holding:
-            page.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
+        _wait_until_open(last, 0)
+        _hold_conversations(holding, max_new_tokens=2)
         configure(last, max_new_tokens=2)
         last.fill("#chat-input textarea", "Hello!")
         last.click("#chat-send")
@@ -255,9 +256,7 @@ def test_a_conversation_past_the_pages_limit_is_refused_until_a_tab_closes(brows
         assert messages(last, "chatbot", "user") == []
         assert last.input_value("#chat-input textarea") == "Hello!"  # kept, to send again
         holding.pop().context.close()
-        last.wait_for_function(
-            f"document.querySelector('#server-load').innerText.includes('{PAGE_CONVERSATIONS - 1} "
-            "conversations open')", timeout=30_000)
+        _wait_until_open(last, PAGE_CONVERSATIONS - 1)
         last.click("#chat-send")
         last.wait_for_selector("#chatbot [data-testid=bot]", timeout=DONE_TIMEOUT_MS)
         assert messages(last, "chatbot", "user") == ["Hello!"]
