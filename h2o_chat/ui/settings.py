@@ -113,12 +113,14 @@ class Settings:
                 self.policy, self.heavy, self.recent, self.sink, self.rolling,
                 self.key_bits, self.value_bits, self.exact_window, self.budget_mb}
 
-    def sampling(self, values: dict) -> dict[str, Any]:
+    def sampling(self, values: dict, max_new_tokens: Any = None) -> dict[str, Any]:
         """Keyword arguments of ``session.send``, checked by the config file's rules;
-        a ``Refusal`` naming the setting if one is bad. No seed: a new one per reply."""
+        a ``Refusal`` naming the setting if one is bad. No seed: a new one per reply.
+        ``max_new_tokens``: a view's own control's value, in place of the shared one."""
+        tokens = values[self.max_new_tokens] if max_new_tokens is None else max_new_tokens
         generation = dataclasses.replace(
             self.config.generation, temperature=float(values[self.temperature]),
-            top_p=float(values[self.top_p]), max_new_tokens=_whole(values[self.max_new_tokens]),
+            top_p=float(values[self.top_p]), max_new_tokens=_whole(tokens),
             seed=_seed(values[self.seed]))
         generation = _checked(dataclasses.replace(self.config, generation=generation)).generation
         return {name: getattr(generation, name)

@@ -120,7 +120,7 @@ class StoryTab:
             gr.Info("Waiting for the model to load…")
             yield unchanged(self.story)  # sends the toast now (see streaming.in_slot)
         loaded = wait_for_model(self.provider)
-        sampling = self.settings.sampling(values) | {"max_new_tokens": int(values[self.tokens])}
+        sampling = self.settings.sampling(values, max_new_tokens=values[self.tokens])
         state = values[self.state]
         if state is None or not state.continues(bible, story):
             admit(self.server, state)
