@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import uvicorn
 from openai import OpenAI
@@ -15,6 +16,7 @@ from openai import OpenAI
 from h2o_chat import ChatSession, make_cache
 from h2o_chat.admission import Admission
 from h2o_chat.api.routes import create_api
+from h2o_chat.api.server import uvicorn_config
 from h2o_chat.config import AppConfig, load_config
 from h2o_chat.runtime import ModelProvider
 
@@ -39,8 +41,8 @@ def serving(model_and_tokenizer, config: AppConfig) -> Iterator[str]:
     except RuntimeError:
         pass  # settings the model cannot hold: the server says so, on /health and to every turn
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_api(provider, MODEL_ID, config), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_api(provider, MODEL_ID, config),
+                                           replace(config.server, host="127.0.0.1", port=port)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

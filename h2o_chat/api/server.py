@@ -23,6 +23,7 @@ from h2o_chat.runtime import ModelProvider
 from h2o_chat.scheduler import stop_workers
 from h2o_chat.ui.app import launch_options
 
+from .connections import connection_limits, guarded_protocol
 from .page_guards import page_middleware
 from .routes import create_api
 
@@ -42,15 +43,20 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
 def serve(app: FastAPI, server: ServerConfig) -> None:
     """Serve ``app`` until interrupted; with ``server.share`` also through a public
     Gradio share link."""
-    # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
-    runner = _Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
-                                    timeout_graceful_shutdown=GRACE_S))
+    runner = _Server(uvicorn_config(app, server))
     logging.getLogger("uvicorn.error").addFilter(CancelledAtExit(runner))
     if server.share:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
     print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
           f"API at http://{server.host}:{server.port}/v1", flush=True)
     runner.run()
+
+
+def uvicorn_config(app: FastAPI, server: ServerConfig) -> uvicorn.Config:
+    """How uvicorn serves ``app`` on ``server``'s address, within its connection limits."""
+    # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
+    return uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+                          timeout_graceful_shutdown=GRACE_S, http=guarded_protocol(connection_limits(server)))
 
 
 class CancelledAtExit(logging.Filter):

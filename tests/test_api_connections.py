@@ -1,0 +1,111 @@
+"""Sockets that never finish a request cannot pile up (slowloris): past
+``server.max_connections`` a connection gets 503 at once, and one that has not sent a
+whole request head ``server.header_timeout_s`` after opening is closed by the server.
+Sent for real, over raw sockets, to the served API; real clients check the rest."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+
+from h2o_chat.config import ConfigError
+
+from .api_support import MODEL_ID, api_config, client, serving
+
+LIMIT, HEAD_TIMEOUT_S = 8, 1.0
+# A request head that never ends: no blank line after its last header.
+HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+
+
+@pytest.fixture(scope="module")
+def url(smollm):
+    with serving(smollm, api_config(max_connections=LIMIT, header_timeout_s=HEAD_TIMEOUT_S)) as url:
+        yield url
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@contextmanager
+def half_open(url: str, count: int) -> Iterator[list[socket.socket]]:
+    """``count`` connections, each having sent part of a request head."""
+    with ExitStack() as stack:
+        sockets = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.create_connection(address(url), timeout=30))
+            sock.sendall(HALF_HEAD)
+            sockets.append(sock)
+        yield sockets
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (the socket's timeout bounds
+    the wait: a server that never closes fails the test there)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_connection_past_the_limit_gets_503_and_is_closed(url):
+    with half_open(url, LIMIT):
+        with socket.create_connection(address(url), timeout=30) as extra:
+            answer = read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert answer.endswith(b"The server holds 8 connections, its limit (server.max_connections): "
+                               b"try again later.\n")
+        # A real client sees the same while the limit holds.
+        refused = httpx.get(url + "/health")
+        assert refused.status_code == 503 and "server.max_connections" in refused.text
+
+
+def test_a_head_not_sent_in_time_is_closed_and_frees_its_place(url):
+    with half_open(url, LIMIT) as sockets:
+        started = time.monotonic()
+        for sock in sockets:
+            assert read_all(sock) == b""  # closed by the server, with nothing sent
+        assert time.monotonic() - started >= HEAD_TIMEOUT_S * 0.9
+        # Their places are free again: the API answers.
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_keep_alive_connection_idle_past_the_deadline_is_closed(url):
+    with socket.create_connection(address(url), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first:
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 OK")
+        # Half of the next request's head, then nothing: closed like a new connection's.
+        sock.sendall(HALF_HEAD)
+        read_all(sock)
+
+
+def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):
+    """The deadline is for a request head only: a stream read slowly, well past it,
+    ends whole, with its finish reason."""
+    stream = client(url).chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Count from one to twenty."}],
+        max_tokens=24, temperature=0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    time.sleep(HEAD_TIMEOUT_S * 2)  # the deadline passes while the response is under way
+    rest = list(chunks)
+    assert first.choices[0].delta.role == "assistant"
+    assert rest[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("max_connections", 7, "must be an integer from 8 to 1000000"),
+    ("header_timeout_s", 0, "must be a number of seconds > 0 and <= 3600"),
+])
+def test_the_limits_are_checked_by_name(field, value, allowed):
+    with pytest.raises(ConfigError, match=rf"server\.{field} = {value}: {allowed}"):
+        api_config(**{field: value})
