@@ -35,9 +35,15 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
     """The API (``/v1``, ``/health``, ``/metrics``) with ``demo`` mounted at ``/``, keeping
     the page's login and request-size limit."""
     api = create_api(provider, name, config, released=return_freed_memory)
-    return gr.mount_gradio_app(api, demo.queue(), "/", show_error=True,
-                               app_kwargs={"middleware": page_middleware(config.server)},
-                               **launch_options(config.server))
+    app = gr.mount_gradio_app(api, demo.queue(), "/", show_error=True,
+                              app_kwargs={"middleware": page_middleware(config.server)},
+                              **launch_options(config.server))
+    # Gradio checks that a file handed to an input was uploaded to its own folder only
+    # for a Blocks it launched itself (Gradio 6.31, processing_utils._check_allowed):
+    # mounted, a page client could name any path on the server, /dev/zero included,
+    # and have it read into the cache. Mounted here is launched.
+    demo.has_launched = True
+    return app
 
 
 def serve(app: FastAPI, server: ServerConfig) -> None:
