@@ -98,6 +98,45 @@ def test_a_story_bible_over_its_limit_is_refused_and_the_story_goes_on(page, app
     assert "Traceback" not in app_log.read_text()
 
 
+# How Send refuses a budget the model cannot hold (its context is 8,192 tokens), and
+# Continue, which runs the turns policy's slots as h2o's even split (config.for_story).
+PAST_CONTEXT = ("cache.heavy + cache.recent + cache.sink = 9000 + 16 + 4 = 9020 slots: must be at most "
+                "the model's context of 8,192 tokens (max_position_embeddings)")
+STORY_PAST_CONTEXT = PAST_CONTEXT.replace("9000 + 16 + 4", "4508 + 4508 + 4")
+
+
+def test_a_reset_to_a_budget_past_the_models_context_is_refused_and_the_conversation_stays(page):
+    """New chat, New story and compare Reset refuse at once, as Send refuses it, a budget
+    the model cannot hold (they took it, and the view's next Send refused it); each view's
+    conversation stays."""
+    configure(page, max_new_tokens=4)
+    send(page, "#chat-input", "#chat-send", "Hello.")
+    open_tab(page, "Compare")
+    send(page, "#compare-input", "#compare-send", "Hello.")
+    open_tab(page, "Story")
+    set_number(page, "story-tokens", 4)
+    page.fill("#story-text textarea", "The storm came.")
+    start_and_wait(page, "#story-continue")
+    story = page.input_value("#story-text textarea")
+    set_number(page, "heavy", 9000)
+    for tab, reset, refusal in (("Story", "#story-new", STORY_PAST_CONTEXT),
+                                ("Compare", "#compare-reset", PAST_CONTEXT), ("Chat", "#chat-new", PAST_CONTEXT)):
+        open_tab(page, tab)
+        page.click(reset)
+        _expect_toast(page, refusal)
+        # Gone by itself (10 s) before the next: one shown meanwhile would join this toast.
+        expect(page.locator("[data-testid=toast-body]", has_text=refusal)).to_have_count(0, timeout=60_000)
+    for chat in ("chatbot", "compare-bounded-chat", "compare-full-chat"):
+        assert [m.strip() for m in messages(page, chat, "user")] == ["Hello."], chat
+        assert len(messages(page, chat, "bot")) == 1, chat
+    open_tab(page, "Story")
+    assert page.input_value("#story-text textarea") == story
+    page.fill("#story-text textarea", "Another story.")  # a new story, on these settings
+    page.click("#story-continue")
+    _expect_toast(page, STORY_PAST_CONTEXT)
+    _no_error_pills(page)
+
+
 # Sent in place of what a dropdown holds, by a page whose request was edited on its way:
 # what the page's endpoints can be sent, though no dropdown offers it.
 CRAFTED_SETTINGS = [

@@ -468,3 +468,49 @@ def test_a_story_stopped_during_a_forward_pass_continues_as_if_never_stopped(smo
     "".join(whole.send("The storm reached the island at dusk.", temperature=0, max_new_tokens=12))
     assert story.tokens == whole.tokens and story.text == whole.text
     assert_consistent(story)
+
+
+def _stop_in_pass(session, n: int) -> None:
+    """Stop ``session``'s next turn in its ``n``-th forward pass: its reply holds ``n`` tokens."""
+    passes = []
+
+    def observer(tokens, start, end, logits):
+        passes.append(end)
+        if len(passes) == n:
+            session.stop()
+
+    session.observer = observer
+
+
+def test_a_reply_stopped_inside_a_character_ends_at_the_last_whole_one(smollm):
+    """Greedy, the reply's first character (Japanese) takes two tokens, its second two
+    more: stopped after three, the reply streams and keeps the first alone (what the page
+    shows, the API answers and a saved chat holds), goes on with whole characters when
+    continued, and the chat goes on after it."""
+    model, tokenizer = smollm
+    message = "Write the word 'hello' in Japanese."
+    session = ChatSession(model, tokenizer, cache=h2o(model))
+    _stop_in_pass(session, 3)
+    received = "".join(session.send(message, temperature=0, max_new_tokens=30))
+    session.observer = None
+    assert session.finish_reason == "stopped" and len(session.reply) == 3
+    assert session.decode(session.reply).endswith("\ufffd")  # cut inside a character
+    assert received == session.messages[-1]["content"] == "お"
+    assert session.template_text.endswith("assistant\nお")
+    more = "".join(session.continue_reply(temperature=0, max_new_tokens=4))
+    whole = ChatSession(model, tokenizer, cache=h2o(model))
+    reference = "".join(whole.send(message, temperature=0, max_new_tokens=7))
+    assert received + more == reference == session.messages[-1]["content"]
+    assert "\ufffd" not in reference and session.tokens == whole.tokens
+    assert "".join(session.send("Thanks!", **GREEDY)) == "".join(whole.send("Thanks!", **GREEDY))
+    assert_consistent(session)
+
+    # A story too; its Continue streams the rest of the character cut, then the next.
+    story = StorySession(model, tokenizer, cache=h2o(model))
+    _stop_in_pass(story, 3)
+    "".join(story.send("日本の昔話：むかしむかし、", temperature=0, max_new_tokens=30))
+    story.observer = None
+    assert story.finish_reason == "stopped" and story.decode(story.tokens).endswith("\ufffd")
+    assert story.text == "日本の昔話：むかしむかし、ゆ"
+    assert list(story.send("", temperature=0, max_new_tokens=4)) == ["く", "ら"]
+    assert story.text == "日本の昔話：むかしむかし、ゆくら"

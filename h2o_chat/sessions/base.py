@@ -236,6 +236,13 @@ class Session:
         """The exact text of token ids of this conversation (special tokens included)."""
         return decode(self.tokenizer, ids)
 
+    def complete_text(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` up to its last whole character: what a reply shows, streamed
+        or kept. The tokenizer may split a character's bytes (an emoji, CJK) over tokens,
+        and ids cut between them (a Stop, the token limit) decode to a replacement
+        character for the bytes so far, which is no character the model wrote."""
+        return self.decode(ids).removesuffix("\ufffd")
+
     def _generation(self, sampling: Sampling | None) -> Generation:
         """A runner's work on this conversation from where its cache stands."""
         return Generation(self.cache, self.tokens, self.fed, sampling, chunk=self.prefill_chunk_size,
@@ -326,9 +333,13 @@ class Session:
         self._decode_tokens_per_s = 0.0
         started = time.perf_counter()
         decode_started = None
-        # A continued reply's text so far went out before (up to a character that its
-        # last token may have left incomplete).
-        emitted = self.decode(generated).rstrip("\ufffd")
+        # After a Stop inside a character (a story's Continue) the reply's first tokens
+        # finish it: its text is decoded after the (at most 3) tokens with its first bytes.
+        start = len(self.tokens) - kept
+        lead = self.tokens[max(0, start - 3) : start]
+        if self.complete_text(lead) == self.decode(lead):
+            lead = []  # they end with a whole character: the reply's text is its own
+        emitted = self.complete_text(lead + generated)  # went out before, or not the reply's
         generation = self._generation(sampling)
         for count in self._run(generation):
             now = time.perf_counter()
@@ -337,9 +348,9 @@ class Session:
             self._decode_tokens_per_s = (count - kept - 1) / max(now - decode_started, 1e-9)
             if generated[count - 1] in self.eos_ids:
                 continue  # the end of the turn: kept in the reply, not in its text
-            text = self.decode(generated[:count])
-            # A multi-byte character may span tokens: wait until it is complete.
-            if not text.endswith("\ufffd") and len(text) > len(emitted):
+            # A multi-byte character may span tokens: it goes out once complete.
+            text = self.complete_text(lead + generated[:count])
+            if len(text) > len(emitted):
                 try:
                     yield text[len(emitted) :]
                 except GeneratorExit:

@@ -126,11 +126,13 @@ class ChatSession(Session):
                 self._record_reply()
 
     def _record_reply(self) -> None:
-        """Put the reply, whole or partial (stopped, failed, abandoned), into the history."""
+        """Put the reply, whole or partial (stopped, failed, abandoned), into the history.
+        A reply cut inside a character keeps the text before it: the template text must
+        be the template's rendering of the messages, which the next turn appends to."""
         reply = self.reply
-        self._template_text = self._reply_start + self.decode(reply)
+        self._template_text = self._reply_start + self.complete_text(reply)
         ending = 1 if reply and reply[-1] in self.eos_ids else 0
-        self.messages[-1]["content"] = self.decode(reply[: len(reply) - ending])
+        self.messages[-1]["content"] = self.complete_text(reply[: len(reply) - ending])
 
     def _render_new(self, messages: list[dict[str, str]],
                     add_generation_prompt: bool) -> tuple[str, list[int], list[tuple[int, int]]]:

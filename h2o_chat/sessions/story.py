@@ -48,7 +48,8 @@ class StorySession(Session):
 
     @property
     def text(self) -> str:
-        return self.decode(self.tokens[self.bible_tokens :])
+        """The story after the bible, up to its last whole character (see ``complete_text``)."""
+        return self.complete_text(self.tokens[self.bible_tokens :])
 
     def send(self, text: str = "", pin: bool = False, stop: threading.Event | None = None,
              **sampling) -> Iterator[str]:

@@ -19,7 +19,7 @@ from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
 from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
-from .settings import Settings, budget, new_cache
+from .settings import Settings, budget, check_fits, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
@@ -214,10 +214,8 @@ class ChatTab:
             shown = state.shown()  # the reply so far last, without its chip
             yield {self.state: state, self.chatbot: shown,
                    self.ran_with: ran_with(sampling, state.cache)}
-            # The chunks extend the reply's text up to a character its last token may have
-            # left incomplete.
-            yield from self._stream(values, state, stream, sampling, shown[:-1],
-                                    shown[-1]["content"].rstrip("\ufffd"))
+            # The chunks extend the reply's text, which ends at its last whole character.
+            yield from self._stream(values, state, stream, sampling, shown[:-1], shown[-1]["content"])
 
     def on_undo(self, values: dict) -> dict:
         state = values[self.state]
@@ -233,7 +231,8 @@ class ChatTab:
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes
+        cache = self.settings.cache(values)  # refused before anything closes, as Send refuses it
+        check_fits(self.provider.loaded_model, cache)
         close_state(values[self.state])
         return {self.state: None, self.chatbot: [], self.ran_with: NOTHING_YET,
                 self.gauge: self.empty_gauge(cache),

@@ -26,7 +26,7 @@ from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
-from .settings import Settings, budget, new_cache
+from .settings import Settings, budget, check_fits, new_cache
 from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot, reply_failed
 from .view_state import (
     Snapshot, ViewState, admit, browser_state, close_state, generating, not_streaming, wait_for_model,
@@ -238,9 +238,8 @@ class CompareTab:
             shown = {side: state.shown(side) for side in state.sides}  # without the chips
             yield {self.bounded_chat: shown[BOUNDED], self.full_chat: shown[FULL],
                    self.ran_with: ran_with(sampling, state.cache)}
-            # The chunks extend each reply's text up to a character its last token may
-            # have left incomplete.
-            so_far = {side: shown[side][-1]["content"].rstrip("\ufffd") for side in streams}
+            # The chunks extend each reply's text, which ends at its last whole character.
+            so_far = {side: shown[side][-1]["content"] for side in streams}
             yield from self._stream(values, state, streams, sampling,
                                     {side: shown[side][:-1] for side in shown}, so_far)
 
@@ -357,7 +356,8 @@ class CompareTab:
     def on_reset(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes
+        cache = self.settings.cache(values)  # refused before anything closes, as Send refuses it
+        check_fits(self.provider.loaded_model, cache)
         close_state(values[self.state])
         return self._idle_bounded(cache) | {
             self.state: None, self.bounded_chat: [], self.full_chat: [], self.ran_with: NOTHING_YET,

@@ -219,6 +219,13 @@ def new_cache(model: Any, cache: CacheConfig) -> H2OCache:
         raise Refusal(str(err)) from None
 
 
+def check_fits(model: Any, cache: CacheConfig) -> None:
+    """A ``Refusal`` as ``new_cache`` gives it if ``model`` cannot hold ``cache`` (its
+    context); nothing while the model loads (None): sending waits for it and checks then."""
+    if model is not None:
+        new_cache(model, cache)
+
+
 def budget(cache: CacheConfig, model: Any = None) -> int | None:
     """Slots a cache with these settings holds at rest, besides pinned tokens (None:
     unbounded, or a budget in bytes while the model that sets a token's bytes is not known)."""

@@ -19,7 +19,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
 from .refusals import Refusal, refusing
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
-from .settings import Settings, budget, new_cache
+from .settings import Settings, budget, check_fits, new_cache
 from .streaming import in_slot, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
@@ -150,7 +150,8 @@ class StoryTab:
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes
+        cache = self.settings.cache(values)  # refused before anything closes, as Continue refuses it
+        check_fits(self.provider.loaded_model, for_story(cache))
         close_state(values[self.state])
         return {self.state: None, self.story: "", self.ran_with: NOTHING_YET,
                 self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
