@@ -10,14 +10,17 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from .browser_support import (choose, configure, gauge, messages, open_app, ran_with, running_app, send,
-                              toasts)
+from .browser_support import (DONE_TIMEOUT_MS, choose, configure, gauge, messages, open_app, open_tab, ran_with,
+                              running_app, send, toasts)
 
 
 @pytest.fixture(scope="module")
 def app_url():
     with running_app("--heavy", "16", "--recent", "16", "--sink", "4") as url:
         yield url
+
+
+STILL_STREAMING = "A reply is still streaming: press Stop (or Esc) first."
 
 
 def open_files(page: Page) -> None:
@@ -100,6 +103,58 @@ def test_a_resumed_session_lists_its_pins(browser, app_url, tmp_path):
     assert "My cat is called Odd." in listed
     first.context.close()
     second.context.close()
+
+
+def test_a_file_of_another_type_is_refused_as_every_file_is(page, tmp_path):
+    """A file whose name does not end as the button asks (.zip, .json) is refused with a
+    warning and the status line, as every refused file is. (The upload buttons' own type
+    check refused it in the page, with an error toast, leaving the status line of the
+    action before.)"""
+    (tmp_path / "notes.txt").write_text("hello")
+    open_files(page)
+    page.click("#chat-save-session")
+    status = page.locator("#chat-files-status")
+    expect(status).to_have_text("Not saved: nothing to save yet: start a chat first")
+    _refusal_shown_once(page, "nothing to save yet: start a chat first")
+    for button, refused in (("#chat-resume-session", "notes.txt is not a .zip file"),
+                            ("#chat-import-json", "notes.txt is not a .json file")):
+        upload(page, button, tmp_path / "notes.txt")
+        expect(status).to_have_text(f"Not loaded: {refused}")
+        _refusal_shown_once(page, refused)
+    open_tab(page, "Story")
+    page.click("#story-files .label-wrap")
+    upload(page, "#story-resume-session", tmp_path / "notes.txt")
+    expect(page.locator("#story-files-status")).to_have_text("Not loaded: notes.txt is not a .zip file")
+    _refusal_shown_once(page, "notes.txt is not a .zip file")
+
+
+def test_save_and_export_while_a_reply_streams_are_refused_as_every_file_is(page):
+    """Saving or exporting while a reply streams is refused with a warning and the status
+    line (the refusal escaped as an error: a red toast, and "Error" over the status line)."""
+    configure(page, max_new_tokens=1024)  # greedy: the story runs to the slider's longest
+    page.fill("#chat-input textarea", "Write a long story about a dragon.")
+    page.press("#chat-input textarea", "Enter")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+        ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
+    open_files(page)
+    for button, outcome in (("#chat-save-session", "Not saved"), ("#chat-export-json", "Not exported")):
+        page.click(button)
+        expect(page.locator("#chat-files-status")).to_have_text(f"{outcome}: {STILL_STREAMING}")
+        _refusal_shown_once(page, STILL_STREAMING)
+    expect(page.locator("#chat-stop")).to_be_visible()  # the reply goes on
+    page.keyboard.press("Escape")
+    expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+
+
+def _refusal_shown_once(page: Page, text: str) -> None:
+    """The warning that says ``text`` shows, and no error; then it goes by itself (10 s),
+    so that the next refusal's warning is a toast of its own (Gradio adds a warning shown
+    while another shows to that one, which closes both when its own time is up)."""
+    warning = page.locator(".toast-body.warning", has_text=text)
+    expect(warning).to_have_count(1)
+    expect(page.locator(".toast-body.error")).to_have_count(0)
+    expect(warning).to_have_count(0, timeout=60_000)
 
 
 def next_replies_are_the_same(first: Page, second: Page, text: str) -> None:
@@ -224,12 +279,11 @@ def test_nothing_replaces_the_conversation_while_its_reply_streams(browser, app_
         open_files(page)
         (tmp_path / "other.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
         (tmp_path / "other.h2o-session.zip").write_bytes(b"PK\x05\x06" + bytes(18))
-        refusal = page.locator("[data-testid=toast-body]", has_text="A reply is still streaming: press Stop (or Esc) first.")
+        refusal = page.locator("[data-testid=toast-body]", has_text=STILL_STREAMING)
         for button, file in (("#chat-import-json", "other.json"), ("#chat-resume-session", "other.h2o-session.zip")):
             upload(page, button, tmp_path / file)
             expect(refusal).to_have_count(1)
-            expect(page.locator("#chat-files-status")).to_have_text(
-                "Not loaded: A reply is still streaming: press Stop (or Esc) first.")
+            expect(page.locator("#chat-files-status")).to_have_text(f"Not loaded: {STILL_STREAMING}")
             # The next refusal shows anew once this one's toast has gone by itself (10 s;
             # clicking its close button races with that on a loaded machine).
             expect(refusal).to_have_count(0, timeout=60_000)

@@ -378,6 +378,7 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
 
 def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     from h2o_chat.ui.chat_tab import ChatState
+    from h2o_chat.ui.view_state import STILL_STREAMING
 
     settings, chat, story = views
     files = chat.files
@@ -417,10 +418,13 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     with pytest.warns(UserWarning):
         refused_with(files.on_resume(values | {files.resume: str(big)}),
                      "over the upload limit of 1,048,576 bytes")
-    # While a reply streams, saving waits for Stop.
+    with pytest.warns(UserWarning):  # a file of another type: the buttons take any
+        refused_with(files.on_resume(values | {files.resume: str(bad)}), "bad.json is not a .zip file")
+    # While a reply streams, saving and exporting wait for Stop, refused as a file is.
     with state.running():
-        with pytest.raises(Exception, match="still streaming"):
-            files.on_save(values)
+        for save, outcome in ((files.on_save, "Not saved"), (files.on_export_json, "Not exported")):
+            with pytest.warns(UserWarning, match="still streaming"):
+                assert save(values) == {files.status: f"**{outcome}:** {STILL_STREAMING}"}
 
 
 def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):

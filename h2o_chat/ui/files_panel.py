@@ -50,9 +50,15 @@ def export_path(kind: str, suffix: str) -> Path:
     return Path(folder) / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}"
 
 
-def checked_upload(path: str | None, limit: int) -> Path:
+def checked_upload(path: str | None, limit: int, suffix: str) -> Path:
+    """The uploaded file, refused unless its name ends in ``suffix`` and it fits ``limit``.
+    Checked here, not by the upload button's ``file_types``: the page refused a file of
+    another type itself, with an error toast of its own and no word in the status line."""
     if not path:
         raise Refusal("no file was uploaded")
+    name = Path(path).name  # Gradio keeps the uploaded file's name
+    if not name.lower().endswith(suffix):
+        raise Refusal(f"{name} is not a {suffix} file")
     size = os.path.getsize(path)
     if size > limit:
         raise Refusal(f"the file has {size:,} bytes, over the upload limit of {limit:,} bytes")
@@ -68,8 +74,7 @@ class FilesPanel:
         with gr.Accordion("Save / load", open=False, elem_id=f"{kind}-files"):
             self._build()
             self.save = gr.Button("Save session (with its cache)", elem_id=f"{kind}-save-session")
-            self.resume = gr.UploadButton("Resume session…", file_types=[".zip"],
-                                          elem_id=f"{kind}-resume-session")
+            self.resume = gr.UploadButton("Resume session…", elem_id=f"{kind}-resume-session")
             self.download = gr.File(label="Download", interactive=False,
                                     elem_id=f"{kind}-download")
             self.status = gr.Markdown(elem_id=f"{kind}-files-status")
@@ -103,16 +108,19 @@ class FilesPanel:
         state = values[self.tab.state]
         if state is None:
             return self._refused(f"nothing to save yet: start a {self.kind} first", "Not saved")
-        with state.running():
-            path = save_session(state.session, export_path(self.kind, SUFFIX))
-            stats = state.session.stats()
+        try:
+            with state.running():
+                path = save_session(state.session, export_path(self.kind, SUFFIX))
+                stats = state.session.stats()
+        except Refusal as err:  # a reply streams
+            return self._refused(str(err), "Not saved")
         return {self.download: str(path),
                 self.status: f"Saved {stats.tokens} tokens with {stats.cache.held} cache slots "
                              f"per layer and head ({path.stat().st_size / 1024**2:.1f} MB)."}
 
     def on_resume(self, values: dict) -> dict:
         try:
-            path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20)
+            path = checked_upload(values[self.resume], self.tab.server.max_request_mb * 2**20, ".zip")
             return self._resumed(values, path, self.tab.settings.cache(values), "Resumed")
         except SettingsMismatch as mismatch:
             return self._mismatched(values, mismatch)
@@ -205,8 +213,7 @@ class ChatFiles(FilesPanel):
         with gr.Row():
             self.export_json = gr.Button("Conversation as JSON", elem_id="chat-export-json")
             self.export_markdown = gr.Button("Conversation as Markdown", elem_id="chat-export-markdown")
-            self.import_json = gr.UploadButton("Import conversation (JSON)…", file_types=[".json"],
-                                               elem_id="chat-import-json")
+            self.import_json = gr.UploadButton("Import conversation (JSON)…", elem_id="chat-import-json")
 
     def wire(self, tab: Any, state_type: type[ViewState]) -> None:
         super().wire(tab, state_type)
@@ -225,8 +232,11 @@ class ChatFiles(FilesPanel):
         state = values[self.tab.state]
         if state is None:
             return self._refused("nothing to export yet: start a chat first", "Not exported")
-        with state.running():
-            transcript = Transcript.of(state.session)
+        try:
+            with state.running():
+                transcript = Transcript.of(state.session)
+        except Refusal as err:  # a reply streams
+            return self._refused(str(err), "Not exported")
         path = export_path("chat", suffix)
         path.write_text(render(transcript), encoding="utf-8")
         return {self.download: str(path), self.status: f"Exported {len(transcript.messages)} messages."}
@@ -234,7 +244,7 @@ class ChatFiles(FilesPanel):
     def on_import(self, values: dict) -> dict:
         try:
             not_streaming(values[self.tab.state])
-            path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES)
+            path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES, ".json")
             transcript = read_transcript(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)
             state = self.state_type(loaded, self.tab.settings.cache(values),
