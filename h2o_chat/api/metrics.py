@@ -69,8 +69,11 @@ class _AdmissionCollector(Collector):
         running, waiting = self._admission.load()
         yield GaugeMetricFamily("h2o_chat_generations_running", "Turns holding a generation slot, page "
                                 "and API together (at most server.max_concurrent_generations)", value=running)
-        yield GaugeMetricFamily("h2o_chat_generations_waiting", "Turns waiting for a generation slot, "
-                                "page and API together", value=waiting)
+        # The page's queue lets in at most as many page turns as there are slots: a page
+        # turn behind other page turns waits there (its position shown on the page), not here.
+        yield GaugeMetricFamily("h2o_chat_generations_waiting", "Turns waiting for a generation slot "
+                                "held by another door's turn, page and API together (a page turn "
+                                "behind other page turns waits in the page's queue)", value=waiting)
 
 
 class Metrics:
