@@ -376,6 +376,31 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
     assert new.session.cache.settings() == state.session.cache.settings()
 
 
+def test_an_import_past_the_pages_limit_is_refused_unless_it_replaces_one(views, tmp_path, monkeypatch):
+    """Importing a conversation opens one, as a first send does: past
+    ``server.max_page_conversations`` it is refused, though the view's own (which it
+    replaces) is not counted."""
+    from h2o_chat.ui.view_state import close_state, server_load
+
+    settings, chat, _ = views
+    files = chat.files
+    upload = tmp_path / "conversation.json"
+    upload.write_text(Transcript("", [{"role": "user", "content": "Hi"}]).to_json())
+    first = files.on_import(inputs(settings, chat, None) | {files.import_json: str(upload)})[chat.state]
+    try:
+        monkeypatch.setattr(chat.server, "max_page_conversations", server_load()[0])
+        with pytest.warns(UserWarning):
+            refused = files.on_import(inputs(settings, chat, None) | {files.import_json: str(upload)})
+        assert refused == {files.status: f"**Not loaded:** The server holds {server_load()[0]} conversations "
+                                         "open in pages, its limit (server.max_page_conversations): close a tab "
+                                         "you no longer use, or wait until one idle for 30 minutes is freed."}
+        again = files.on_import(inputs(settings, chat, first) | {files.import_json: str(upload)})[chat.state]
+        assert first.closed and not again.closed
+        close_state(again)
+    finally:
+        close_state(first)
+
+
 def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     from h2o_chat.ui.chat_tab import ChatState
     from h2o_chat.ui.view_state import STILL_STREAMING

@@ -244,6 +244,7 @@ class ChatFiles(FilesPanel):
     def on_import(self, values: dict) -> dict:
         try:
             not_streaming(values[self.tab.state])
+            admit(self.tab.server, values[self.tab.state])
             path = checked_upload(values[self.import_json], MAX_CONVERSATION_BYTES, ".json")
             transcript = read_transcript(path.read_bytes(), InputLimits.of(self.tab.server))
             loaded = wait_for_model(self.tab.provider)
