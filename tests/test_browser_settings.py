@@ -9,8 +9,8 @@ from __future__ import annotations
 from playwright.sync_api import expect
 
 from .browser_support import (
-    after_next_frame, configure, gauge, open_app, open_tab, ran_with, send, show_settings, shown_settings, start_and_wait,
-    typed_settings,
+    after_next_frame, configure, gauge, open_app, open_tab, ran_with, running_app, send, show_settings, shown_settings,
+    start_and_wait, typed_settings,
 )
 
 # Each page its own settings, none of them the defaults (temperature 0.7, top-p 0.9,
@@ -102,3 +102,23 @@ def test_a_page_loaded_again_says_its_conversation_and_settings_were_reset(page)
     show_settings(page)
     assert shown_settings(page, "temperature", "max-new-tokens") == {
         "temperature": "0.7", "max-new-tokens": "128"}
+
+
+def test_logging_in_is_not_taken_for_a_page_loaded_again(browser):
+    """Gradio's login form reloads the page once the login is taken: that first page says
+    nothing was reset (it had nothing), and a page the user reloads after it still does."""
+    with running_app(env={"H2O_CHAT_USERNAME": "ada", "H2O_CHAT_PASSWORD": "lovelace"}) as url:
+        page = browser.new_page()
+        try:
+            page.goto(url, wait_until="domcontentloaded")
+            page.locator("input[type=text]").first.fill("ada")
+            page.locator("input[type=password]").fill("lovelace")
+            page.locator("input[type=password]").press("Enter")
+            page.wait_for_selector("body[data-reload-checked]", timeout=60_000)
+            after_next_frame(page)  # an update the check returned is drawn by now
+            assert page.evaluate("performance.getEntriesByType('navigation')[0].type") == "reload"
+            expect(page.locator("#page-reset")).to_be_hidden()
+            page.reload()
+            expect(page.locator("#page-reset")).to_contain_text("reset to the defaults")
+        finally:
+            page.context.close()

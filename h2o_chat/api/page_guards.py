@@ -17,6 +17,7 @@ from typing import Any, Callable
 from starlette.middleware import Middleware
 
 from h2o_chat.config import ServerConfig
+from h2o_chat.ui.reload_notice import FRESH_LOGIN_COOKIE
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -88,6 +89,9 @@ class RequestSizeLimit:
             await _answer(send, 413, refusal)
 
 
+# Read (and taken away) by the page that Gradio's login form reloads (ui.reload_notice).
+_FRESH_LOGIN = (b"set-cookie", f"{FRESH_LOGIN_COOKIE}=1; Max-Age=60; Path=/; SameSite=Strict".encode())
+
 # Paths the login page itself needs; every other request needs the login's cookie.
 _OPEN_PATHS = {"/", "/login", "/login/", "/logout", "/config", "/config/", "/favicon.ico",
                "/theme.css", "/robots.txt", "/manifest.json", "/gradio_api/info", "/gradio_api/info/"}
@@ -140,6 +144,8 @@ class LoginGate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 200:  # the page reloads next: it must not say it was reset
+                    message = {**message, "headers": [*message.get("headers", ()), _FRESH_LOGIN]}
             await send(message)
 
         await self.app(scope, receive, watched_send)

@@ -18,11 +18,19 @@ RESET_NOTE = ("**This page was loaded again, so it starts afresh:** the conversa
               "showed and any settings typed into it were reset to the defaults shown "
               "below (the server keeps nothing for a page that reloads).")
 
+# Set by the server on a successful login (``api.page_guards``): Gradio's login form
+# reloads the page once logged in, a reload that reset nothing the user had.
+FRESH_LOGIN_COOKIE = "h2o-chat-fresh-login"
+
 # Runs in the page as it loads (no server round trip): the note shows only when the
-# browser reports this load as a reload.
+# browser reports this load as a reload, and not the one that follows a login (whose
+# cookie it takes away). ``data-reload-checked`` on the body says the check ran.
 SHOW_IF_RELOADED = f"""() => {{
   const entry = performance.getEntriesByType("navigation")[0];
-  return entry && entry.type === "reload"
+  const login = document.cookie.split("; ").includes("{FRESH_LOGIN_COOKIE}=1");
+  if (login) document.cookie = "{FRESH_LOGIN_COOKIE}=; Max-Age=0; Path=/; SameSite=Strict";
+  document.body.dataset.reloadChecked = "true";
+  return entry && entry.type === "reload" && !login
     ? {{__type__: "update", visible: true, value: {json.dumps(RESET_NOTE)}}}
     : {{__type__: "update"}};
 }}"""
