@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from h2o_chat.bench.client import read_metrics
+
 from .api_support import MODEL_ID, api_config, client, serving
 from .helpers import fail_next_forward
 
@@ -260,3 +262,22 @@ def test_a_session_generating_a_reply_gets_409(smollm):
         assert response.status_code == 409 and response.json()["error"] == {
             "message": "conversation 'busy' is generating a reply: wait for it to end, or use another "
                        "X-Session-Id", "type": "conflict_error", "param": "X-Session-Id", "code": "session_busy"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversation_past_the_models_context_gets_400_naming_rolling(smollm, monkeypatch, stream):
+    """With absolute positions (the default) a request that would take its conversation
+    past the model's context is refused before any event, naming the setting that lets
+    it go on; the conversation is not kept."""
+    monkeypatch.setattr(smollm[0].config, "max_position_embeddings", 200)
+    with serving(smollm, api_config()) as url:
+        long = [{"role": "user", "content": "The tide rose over the old harbour wall. " * 30}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(url).chat.completions.create(model=MODEL_ID, messages=long, max_tokens=4, stream=stream)
+        error = caught.value.body
+        assert error["param"] == "messages" and error["code"] == "invalid_value"
+        assert error["message"].startswith("the conversation would reach ")
+        assert error["message"].endswith(", past the model's context of 200 (max_position_embeddings), where its "
+                                         "replies fall apart: start a new conversation, or turn on rolling "
+                                         "positions (cache.rolling), with which one goes on past it")
+        assert read_metrics(url)["h2o_chat_api_conversations"] == 0

@@ -514,3 +514,43 @@ def test_a_reply_stopped_inside_a_character_ends_at_the_last_whole_one(smollm):
     assert story.text == "日本の昔話：むかしむかし、ゆ"
     assert list(story.send("", temperature=0, max_new_tokens=4)) == ["く", "ら"]
     assert story.text == "日本の昔話：むかしむかし、ゆくら"
+
+
+def test_a_turn_past_the_models_context_is_refused_unless_positions_roll(smollm, monkeypatch):
+    """With absolute positions a conversation cannot go past the model's context (its
+    replies fall apart there): a message that would take it past is refused by name and
+    changes nothing, a reply that reaches it ends there as at its token limit, and
+    continuing it is refused. With rolling positions the same message is answered."""
+    model, tokenizer = smollm
+    monkeypatch.setattr(model.config, "max_position_embeddings", 200)
+    session = ChatSession(model, tokenizer, cache=h2o(model, 24, 24, 4))
+    "".join(session.send("Name a colour.", **GREEDY))
+    tokens, messages = list(session.tokens), [dict(m) for m in session.messages]
+    long = "The tide rose over the old harbour wall. " * 30
+    with pytest.raises(InputError) as refused:
+        session.send(long, **GREEDY)
+    assert refused.value.field == "messages"
+    assert re.fullmatch(
+        r"the conversation would reach [\d,]+ tokens with this message and a reply, past the model's context "
+        r"of 200 \(max_position_embeddings\), where its replies fall apart: start a new conversation, or turn "
+        r"on rolling positions \(cache\.rolling\), with which one goes on past it", str(refused.value))
+    assert session.tokens == tokens and session.messages == messages
+
+    "".join(session.send("Count from one to a hundred.", temperature=0, max_new_tokens=1000, min_new_tokens=1000))
+    assert len(session.tokens) == 200 and session.finish_reason == "length" and session.can_continue
+    with pytest.raises(InputError, match="would reach 201 tokens with more of this reply, past the model's context of 200"):
+        session.continue_reply(**GREEDY)
+    assert_consistent(session)
+
+    rolling = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", rolling=True, heavy=24, recent=24, sink=4))
+    assert "".join(rolling.send(long, temperature=0, max_new_tokens=4))
+    assert len(rolling.tokens) > 200
+
+    story = StorySession(model, tokenizer, cache=h2o(model, 24, 24, 4))
+    with pytest.raises(InputError, match="with this text and its continuation, past the model's context of 200"):
+        story.send(long, **GREEDY)
+    assert story.tokens == []
+    "".join(story.send("The tide rose.", temperature=0, max_new_tokens=1000, min_new_tokens=1000))
+    assert len(story.tokens) == 200 and story.finish_reason == "length"
+    with pytest.raises(InputError, match="would reach 201 tokens with a continuation"):
+        story.send("", **GREEDY)

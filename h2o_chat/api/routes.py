@@ -121,6 +121,12 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         reply = Reply(name)
         headers = {"X-Session-Id": turn.session_id}
         if chat.stream:  # counted when it ends: 499 if the client left before the last event
+            # The session's refusal is a status, not an event in a 200 stream.
+            accepted = asyncio.ensure_future(turn.accepted())
+            if not await _while_connected(request, accepted):
+                turn.cancel()
+                return answered(request, Response(status_code=499))
+            accepted.result()
             return _TurnStream(turn, _events(turn, chat, reply), headers, lambda status: count(request, status))
         collected = asyncio.ensure_future(_collect(turn))
         if not await _while_connected(request, collected):

@@ -60,6 +60,10 @@ class _Failed:
     error: APIError
 
 
+class _Accepted:
+    """The session took the request's message (its own checks passed): the reply follows."""
+
+
 class APIQueue:
     """The API's requests in the model's ``admission`` (which page turns take too): at
     most ``waiting`` of them wait for a slot, others get 429."""
@@ -123,7 +127,14 @@ class Turn:
     def cancel(self) -> None:
         self.cancelled.set()  # the session's stop event for this turn (see TurnRunner._generate)
 
-    def emit(self, event: Delta | Finished | _Failed) -> None:
+    async def accepted(self) -> None:
+        """Once the session has taken the message; what refused it (a conversation past
+        the model's context, say) is raised here, before a streamed reply's 200 goes out."""
+        event = await self._events.get()
+        if isinstance(event, _Failed):
+            raise event.error
+
+    def emit(self, event: Delta | Finished | _Failed | _Accepted) -> None:
         """From the worker thread."""
         self.call_in_loop(self._events.put_nowait, event)
 
@@ -139,6 +150,8 @@ class Turn:
             event = await self._events.get()
             if isinstance(event, _Failed):
                 raise event.error
+            if isinstance(event, _Accepted):  # not awaited by a reply sent whole
+                continue
             if self._first_text_at is None and isinstance(event, Delta):
                 self._first_text_at = time.monotonic()
                 self._metrics.ttft.observe(self._first_text_at - self.arrived)
@@ -217,6 +230,7 @@ class TurnRunner:
         stream = session.send(message.content, pin=message.pin, stop=turn.cancelled,
                               max_new_tokens=request.max_tokens, temperature=request.temperature,
                               top_p=request.top_p, seed=request.seed, min_new_tokens=request.min_tokens)
+        turn.emit(_Accepted())
         try:
             for chunk in stream:
                 if text := stops.feed(chunk):

@@ -67,10 +67,15 @@ def cache_from_config(model: torch.nn.Module, cache: CacheConfig) -> H2OCache:
                   dict(heavy=cache.heavy, recent=cache.recent, sink=cache.sink, score_norm=cache.score_norm))
 
 
+def model_context(model: torch.nn.Module) -> int | None:
+    """The positions ``model`` was trained on (None: its config names none)."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def _build(model: torch.nn.Module, policy: str, rolling: bool, storage: KVStorage, budget: Budget | None,
            budgets: dict) -> H2OCache:
     """Where every budget, in slots or in bytes, is checked against the model's context."""
-    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    context = model_context(model)
     byte_budget = None
     if budget is not None:
         budgets, byte_budget = _fill_bytes(model, policy, budget, storage, rolling, context, budgets)

@@ -14,17 +14,17 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..config import CacheConfig
-from ..engine.build import cache_from_config
+from ..engine.build import cache_from_config, model_context
 from ..engine.cache import H2OCache
 from ..engine.stats import CacheStats
 from ..generation import FinishReason, Generation, PassObserver
 from ..sampling import Sampling
-from ..inputs import InputLimits, shorten
+from ..inputs import InputError, InputLimits, shorten
 from ..loading import eos_token_ids
 from ..scheduler import BatchScheduler, TakeTurns, scheduler_for
 from .pins import decode, find_span
@@ -243,6 +243,26 @@ class Session:
         character for the bytes so far, which is no character the model wrote."""
         return self.decode(ids).removesuffix("\ufffd")
 
+    def positions_left(self, tokens: int) -> int | None:
+        """Tokens the model can still take after a conversation of ``tokens``: its
+        trained context less them, where positions are absolute (past it, replies fall
+        apart within a few thousand tokens); None where nothing bounds them (rolling
+        positions stay within the cache's budget, or the model names no context)."""
+        context = model_context(self.model)
+        return None if self.cache.rolling or context is None else context - tokens
+
+    def check_room(self, new_tokens: int, what: str) -> None:
+        """Refuse a turn that would feed ``new_tokens`` more (``what``) and leave no room
+        for a token of reply within the model's context."""
+        needed = len(self.tokens) + new_tokens + 1
+        left = self.positions_left(needed)
+        if left is not None and left < 0:
+            raise InputError(
+                f"the conversation would reach {needed:,} tokens with {what}, past the model's context of "
+                f"{needed + left:,} (max_position_embeddings), where its replies fall apart: start a new "
+                "conversation, or turn on rolling positions (cache.rolling), with which one goes on past it",
+                "messages")
+
     def _generation(self, sampling: Sampling | None) -> Generation:
         """A runner's work on this conversation from where its cache stands."""
         return Generation(self.cache, self.tokens, self.fed, sampling, chunk=self.prefill_chunk_size,
@@ -308,6 +328,10 @@ class Session:
         # set before the turn began (a client gone while its request waited).
         self._stop = stop if stop is not None else threading.Event()
         length = len(self.tokens)
+        left = self.positions_left(length + len(new_tokens))
+        if left is not None and left < sampling.max_new_tokens:  # the reply ends at the context
+            sampling = replace(sampling, max_new_tokens=max(left, 1),
+                               min_new_tokens=min(sampling.min_new_tokens, max(left, 1)))
         before = (self.reply, self.finish_reason)
         self.tokens.extend(new_tokens)
         self.reply = list(self.reply) if extend else []

@@ -82,7 +82,11 @@ class ChatSession(Session):
         once set, ends the turn (set before it begins, nothing is fed)."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
-        return self._turn(text, Sampling(**sampling), pin, stop)
+        sampling = Sampling(**sampling)
+        if self.positions_left(0) is not None:  # rendered once more in the turn: cheap beside it
+            new_tokens = self._render_new(self.messages + [{"role": "user", "content": text}], True)[1]
+            self.check_room(len(new_tokens), "this message and a reply")
+        return self._turn(text, sampling, pin, stop)
 
     def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:
@@ -93,7 +97,9 @@ class ChatSession(Session):
             raise InputError("nothing to continue: only a reply cut short by its token limit "
                              "(max new tokens) or by Stop can go on; send a message instead",
                              "the reply")
-        return self._continue(Sampling(**sampling), stop)
+        sampling = Sampling(**sampling)
+        self.check_room(0, "more of this reply")
+        return self._continue(sampling, stop)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False,
               stop: threading.Event | None = None) -> Iterator[str]:

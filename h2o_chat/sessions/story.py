@@ -60,7 +60,10 @@ class StorySession(Session):
             raise InputError("the story is empty: write a beginning to continue from", "the new story text")
         if pin and not text:
             raise InputError("nothing to pin: no new text to append", "the new story text")
-        return self._turn(text, Sampling(**sampling), pin, stop)
+        sampling = Sampling(**sampling)
+        self.check_room(len(self._encode(text)) if text and self.positions_left(0) is not None else 0,
+                        "this text and its continuation" if text else "a continuation")
+        return self._turn(text, sampling, pin, stop)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False,
               stop: threading.Event | None = None) -> Iterator[str]:
