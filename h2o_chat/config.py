@@ -123,10 +123,10 @@ class ServerConfig:
     # context), so this bounds what pages can make the server hold.
     max_page_conversations: int = 32
     # Connections open at once (pages, API clients, streams); more get 503 until some
-    # close. A connection must send a whole request head within header_timeout_s of
-    # opening or of its last response, or it is closed: idle sockets cannot pile up.
+    # close. A client that goes silent for send_timeout_s while it owes a request (its
+    # head, or the rest of its body) is closed: idle sockets cannot pile up.
     max_connections: int = 1000
-    header_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0
     # Optional login. The environment variables H2O_CHAT_USERNAME / H2O_CHAT_PASSWORD
     # override these, so a password need not sit in a file.
     username: str | None = None
@@ -232,7 +232,7 @@ _RULES: dict[str, _Rule] = {
                                          "must be a number of minutes > 0 and <= 10080 (a week)"),
     "server.max_page_conversations": _int_between(1, 4096),
     "server.max_connections": _int_between(8, 1_000_000),
-    "server.header_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
+    "server.send_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
     "server.api_key": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),

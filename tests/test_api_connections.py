@@ -1,7 +1,8 @@
 """Sockets that never finish a request cannot pile up (slowloris): past
-``server.max_connections`` a connection gets 503 at once, and one that has not sent a
-whole request head ``server.header_timeout_s`` after opening is closed by the server.
-Sent for real, over raw sockets, to the served API; real clients check the rest."""
+``server.max_connections`` a connection gets 503 at once, and a client silent for
+``server.send_timeout_s`` while it owes a request (its head, or the rest of its body) is
+closed by the server. Sent for real, over raw sockets, to the served API; real clients
+check the rest."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from h2o_chat.config import ConfigError
 
 from .api_support import MODEL_ID, api_config, client, serving
 
-LIMIT, HEAD_TIMEOUT_S = 8, 1.0
+LIMIT, SEND_TIMEOUT_S = 8, 1.0
 # A request head that never ends: no blank line after its last header.
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 @pytest.fixture(scope="module")
 def url(smollm):
-    with serving(smollm, api_config(max_connections=LIMIT, header_timeout_s=HEAD_TIMEOUT_S)) as url:
+    with serving(smollm, api_config(max_connections=LIMIT, send_timeout_s=SEND_TIMEOUT_S)) as url:
         yield url
 
 
@@ -71,7 +72,7 @@ def test_a_head_not_sent_in_time_is_closed_and_frees_its_place(url):
         started = time.monotonic()
         for sock in sockets:
             assert read_all(sock) == b""  # closed by the server, with nothing sent
-        assert time.monotonic() - started >= HEAD_TIMEOUT_S * 0.9
+        assert time.monotonic() - started >= SEND_TIMEOUT_S * 0.9
         # Their places are free again: the API answers.
         assert httpx.get(url + "/health").status_code == 200
 
@@ -88,6 +89,28 @@ def test_a_keep_alive_connection_idle_past_the_deadline_is_closed(url):
         read_all(sock)
 
 
+def test_a_body_that_stops_coming_is_closed_and_one_that_keeps_coming_is_answered(url):
+    """A pause longer than the deadline inside a body closes the connection; a body whose
+    pieces come more often than that is read whole, however long it takes in all."""
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}' % MODEL_ID.encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    with socket.create_connection(address(url), timeout=30) as sock:
+        sock.sendall(head + body[:10])
+        assert read_all(sock) == b""  # closed, unanswered
+    with socket.create_connection(address(url), timeout=60) as sock:
+        sock.sendall(head)
+        pieces = [body[i:i + 20] for i in range(0, len(body), 20)]
+        for piece in pieces:  # 0.4 s apart: the whole body takes longer than the deadline
+            time.sleep(SEND_TIMEOUT_S * 0.4)
+            sock.sendall(piece)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        assert len(pieces) * SEND_TIMEOUT_S * 0.4 > SEND_TIMEOUT_S
+        assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
 def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):
     """The deadline is for a request head only: a stream read slowly, well past it,
     ends whole, with its finish reason."""
@@ -96,7 +119,7 @@ def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):
         max_tokens=24, temperature=0, stream=True)
     chunks = iter(stream)
     first = next(chunks)
-    time.sleep(HEAD_TIMEOUT_S * 2)  # the deadline passes while the response is under way
+    time.sleep(SEND_TIMEOUT_S * 2)  # the deadline passes while the response is under way
     rest = list(chunks)
     assert first.choices[0].delta.role == "assistant"
     assert rest[-1].choices[0].finish_reason in ("stop", "length")
@@ -104,7 +127,7 @@ def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):
 
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("max_connections", 7, "must be an integer from 8 to 1000000"),
-    ("header_timeout_s", 0, "must be a number of seconds > 0 and <= 3600"),
+    ("send_timeout_s", 0, "must be a number of seconds > 0 and <= 3600"),
 ])
 def test_the_limits_are_checked_by_name(field, value, allowed):
     with pytest.raises(ConfigError, match=rf"server\.{field} = {value}: {allowed}"):

@@ -1,7 +1,8 @@
-"""What a connection may hold before it has sent a request: uvicorn bounds neither how
-many connections stay open nor how long a request's headers may take, so a client that
-opens sockets and never finishes their headers (slowloris) held one file descriptor
-each, without end, until the process ran out and stopped answering anyone."""
+"""What a connection may hold while it sends a request: uvicorn bounds neither how many
+connections stay open nor how long a request may take to arrive, so a client that opens
+sockets and never finishes their requests (slowloris, or a body sent a byte at a time)
+held one file descriptor each, without end, until the process ran out and stopped
+answering anyone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from h2o_chat.config import ServerConfig
@@ -26,7 +28,7 @@ log = logging.getLogger("uvicorn.error")
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int
-    header_timeout_s: float
+    send_timeout_s: float
 
 
 def connection_limits(server: ServerConfig) -> ConnectionLimits:
@@ -43,7 +45,7 @@ def connection_limits(server: ServerConfig) -> ConnectionLimits:
         allowed = max(1, soft - RESERVED_FDS)
         print(f"h2o-chat: server.max_connections = {server.max_connections} needs more open files "
               f"than this system allows ({soft}): at most {allowed} connections", flush=True)
-    return ConnectionLimits(allowed, server.header_timeout_s)
+    return ConnectionLimits(allowed, server.send_timeout_s)
 
 
 def guarded_protocol(limits: ConnectionLimits) -> Any:
@@ -53,10 +55,11 @@ def guarded_protocol(limits: ConnectionLimits) -> Any:
 
 class GuardedHTTP(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus: a connection past ``max_connections`` gets 503
-    and is closed at once (so its descriptor is back before the next accept), and one
-    that has not sent a whole request head ``header_timeout_s`` after connecting, or
-    after its last response, is closed. A request under way (a reply streaming for
-    minutes, a page's event stream) is never timed out."""
+    and is closed at once (so its descriptor is back before the next accept), and a
+    client silent for ``send_timeout_s`` while it owes a request is closed: before a whole
+    request head came (after connecting or after its last response), or while a body
+    comes (a pause between its pieces). A request sent whole is never timed out, however
+    long its answer takes (a reply streaming for minutes, a page's event stream)."""
 
     # One line when the limit is reached, not one per refused connection: a flood of
     # them would otherwise fill the log as fast as it comes.
@@ -65,7 +68,7 @@ class GuardedHTTP(H11Protocol):
     def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.head_deadline: asyncio.TimerHandle | None = None
+        self.deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -73,7 +76,12 @@ class GuardedHTTP(H11Protocol):
             self.refuse()
             return
         GuardedHTTP.at_limit = False
-        self.await_head()
+        self.await_client()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.SEND_BODY:  # the deadline runs from its last piece
+            self.await_client()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_waiting()
@@ -81,7 +89,7 @@ class GuardedHTTP(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self.await_head()
+        self.await_client()
 
     def refuse(self) -> None:
         if not GuardedHTTP.at_limit:
@@ -94,18 +102,20 @@ class GuardedHTTP(H11Protocol):
                              b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
         self.transport.close()
 
-    def await_head(self) -> None:
+    def await_client(self) -> None:
         self.stop_waiting()
         if not self.transport.is_closing():
-            self.head_deadline = self.loop.call_later(self.limits.header_timeout_s, self.head_overdue)
+            self.deadline = self.loop.call_later(self.limits.send_timeout_s, self.overdue)
 
     def stop_waiting(self) -> None:
-        if self.head_deadline is not None:
-            self.head_deadline.cancel()
-            self.head_deadline = None
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
 
-    def head_overdue(self) -> None:
-        self.head_deadline = None
-        # A request whose head arrived in time has a cycle still answering it.
-        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+    def overdue(self) -> None:
+        self.deadline = None
+        if self.transport.is_closing() or self.flow.read_paused:  # the app, not the client, is behind
+            return
+        awaiting_head = self.cycle is None or self.cycle.response_complete
+        if awaiting_head or self.conn.their_state is h11.SEND_BODY:
             self.transport.close()
