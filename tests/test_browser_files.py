@@ -43,8 +43,10 @@ def download(page: Page, button: str, target) -> None:
 
 
 def upload(page: Page, button: str, path) -> None:
-    with page.expect_file_chooser() as chooser:
-        page.click(button)
+    # A page drawing a long streamed reply on a loaded machine takes its time to answer
+    # the click as it does to draw the reply.
+    with page.expect_file_chooser(timeout=DONE_TIMEOUT_MS) as chooser:
+        page.click(button, timeout=DONE_TIMEOUT_MS)
     chooser.value.set_files(str(path))
 
 
