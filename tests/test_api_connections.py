@@ -6,6 +6,7 @@ check the rest."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -65,6 +66,29 @@ def test_a_connection_past_the_limit_gets_503_and_is_closed(url):
         # A real client sees the same while the limit holds.
         refused = httpx.get(url + "/health")
         assert refused.status_code == 503 and "server.max_connections" in refused.text
+
+
+def test_the_limit_is_said_once_while_it_holds_whatever_another_server_accepts(url, smollm):
+    """A flood refused at one server's limit writes one line, not one per refusal, even
+    while a second server in the same process (the page's, a test's) accepts connections."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    assert httpx.get(url + "/health").status_code == 200  # under the limit: the next reach is said
+    # Added once both servers run: a server's start sets uvicorn's loggers afresh.
+    with serving(smollm, api_config(max_connections=LIMIT, send_timeout_s=SEND_TIMEOUT_S)) as other, \
+            half_open(url, LIMIT):
+        logger.addHandler(handler)
+        try:
+            for _ in range(3):
+                with socket.create_connection(address(url), timeout=30) as extra:
+                    assert read_all(extra).startswith(b"HTTP/1.1 503")
+                assert httpx.get(other + "/health").status_code == 200
+        finally:
+            logger.removeHandler(handler)
+    assert [line for line in lines if "server.max_connections" in line] == [
+        "h2o-chat: 8 connections open, the limit (server.max_connections): new ones get 503 until some close"]
 
 
 def test_a_head_not_sent_in_time_is_closed_and_frees_its_place(url):

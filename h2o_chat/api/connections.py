@@ -48,9 +48,18 @@ def connection_limits(server: ServerConfig) -> ConnectionLimits:
     return ConnectionLimits(allowed, server.send_timeout_s)
 
 
+@dataclass
+class LimitLog:
+    """Whether one server has said its connection limit is reached: one line when it is,
+    not one per refused connection, since a flood of them would fill the log as fast as
+    it comes. Per server, so one server's flood does not silence another's."""
+
+    said: bool = False
+
+
 def guarded_protocol(limits: ConnectionLimits) -> Any:
     """The protocol factory for uvicorn's ``Config(http=...)``."""
-    return partial(GuardedHTTP, limits=limits)
+    return partial(GuardedHTTP, limits=limits, limit_log=LimitLog())
 
 
 class GuardedHTTP(H11Protocol):
@@ -61,13 +70,10 @@ class GuardedHTTP(H11Protocol):
     comes (a pause between its pieces). A request sent whole is never timed out, however
     long its answer takes (a reply streaming for minutes, a page's event stream)."""
 
-    # One line when the limit is reached, not one per refused connection: a flood of
-    # them would otherwise fill the log as fast as it comes.
-    at_limit = False
-
-    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: ConnectionLimits, limit_log: LimitLog, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.limit_log = limit_log
         self.deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -75,7 +81,7 @@ class GuardedHTTP(H11Protocol):
         if len(self.connections) > self.limits.max_connections:
             self.refuse()
             return
-        GuardedHTTP.at_limit = False
+        self.limit_log.said = False
         self.await_client()
 
     def data_received(self, data: bytes) -> None:
@@ -92,8 +98,8 @@ class GuardedHTTP(H11Protocol):
         self.await_client()
 
     def refuse(self) -> None:
-        if not GuardedHTTP.at_limit:
-            GuardedHTTP.at_limit = True
+        if not self.limit_log.said:
+            self.limit_log.said = True
             log.warning("h2o-chat: %d connections open, the limit (server.max_connections): "
                         "new ones get 503 until some close", self.limits.max_connections)
         body = (f"The server holds {self.limits.max_connections} connections, its limit "
