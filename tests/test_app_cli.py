@@ -1,9 +1,17 @@
-"""app.py's flags become config overrides; only the flags given override the file."""
+"""app.py's flags become config overrides; only the flags given override the file. A
+server others can reach with the page or the API unguarded says so when it starts."""
 
 import pytest
 
 import app
-from h2o_chat.config import ConfigError, load_config
+from h2o_chat.api.server import exposure_warning
+from h2o_chat.config import ConfigError, ServerConfig, load_config
+
+from .browser_support import running_app
+
+PAGE_OPEN = ("the page (no login: set server.username and server.password, "
+             "or H2O_CHAT_USERNAME and H2O_CHAT_PASSWORD)")
+API_OPEN = "the API (no key: set server.api_key or H2O_CHAT_API_KEY)"
 
 
 def test_no_flags_keep_the_config():
@@ -38,3 +46,28 @@ def test_rolling_flag_turns_rolling_on():
     args = app.parse_args(["--rolling", "--policy", "sink"])
     assert app.overrides(args) == {"cache": {"policy": "sink", "rolling": True}}
     assert load_config(None, app.overrides(args)).cache.rolling
+
+
+@pytest.mark.parametrize(("server", "warning"), [
+    ({}, None),
+    ({"host": "::1"}, None),
+    ({"host": "localhost"}, None),
+    ({"host": "0.0.0.0", "username": "u", "password": "p"}, None),  # the API is off then
+    ({"host": "0.0.0.0", "api_key": "k"},
+     f"h2o-chat: warning: anyone who can reach this machine (server.host = 0.0.0.0) can use {PAGE_OPEN}"),
+    ({"host": "box.lan"},
+     f"h2o-chat: warning: anyone who can reach this machine (server.host = box.lan) can use {PAGE_OPEN} "
+     f"and {API_OPEN}"),
+    ({"share": True},
+     f"h2o-chat: warning: anyone with the public share link (server.share) can use {PAGE_OPEN} and {API_OPEN}"),
+])
+def test_a_server_others_can_reach_unguarded_is_said_to_be_open(server, warning):
+    assert exposure_warning(ServerConfig(**server)) == warning
+
+
+def test_the_app_says_at_start_that_others_can_use_it(tmp_path):
+    log = tmp_path / "app.log"
+    with running_app("--host", "0.0.0.0", log_path=log):
+        pass
+    assert (f"h2o-chat: warning: anyone who can reach this machine (server.host = 0.0.0.0) can use {PAGE_OPEN} "
+            f"and {API_OPEN}\n") in log.read_text()

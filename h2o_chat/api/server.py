@@ -4,6 +4,7 @@ API's FastAPI app, served by uvicorn on one port."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import threading
@@ -55,7 +56,39 @@ def serve(app: FastAPI, server: ServerConfig) -> None:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
     print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
           f"API at http://{server.host}:{server.port}/v1", flush=True)
+    if warning := exposure_warning(server):
+        print(warning, flush=True)
     runner.run()
+
+
+def exposure_warning(server: ServerConfig) -> str | None:
+    """A line saying who else can use what, when ``server`` is reachable from beyond this
+    machine (a host not on loopback, or a share link) with the page or the API unguarded:
+    a deliberate setting, but one whose reach is easy to miss."""
+    reach = []
+    if not _loopback(server.host):
+        reach.append(f"anyone who can reach this machine (server.host = {server.host})")
+    if server.share:
+        reach.append("anyone with the public share link (server.share)")
+    # With a login and no key the API is off, so only an unguarded page is open then.
+    open_doors = []
+    if server.username is None:
+        open_doors.append("the page (no login: set server.username and server.password, "
+                          "or H2O_CHAT_USERNAME and H2O_CHAT_PASSWORD)")
+        if server.api_key is None:
+            open_doors.append("the API (no key: set server.api_key or H2O_CHAT_API_KEY)")
+    if not reach or not open_doors:
+        return None
+    return f"h2o-chat: warning: {' and '.join(reach)} can use {' and '.join(open_doors)}"
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any address
 
 
 def uvicorn_config(app: FastAPI, server: ServerConfig) -> uvicorn.Config:
