@@ -26,13 +26,15 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from h2o_chat.config import ModelConfig, check_field
-from h2o_chat.engine.attention import ATTENTION_NAME, register_h2o_attention
+from h2o_chat.engine.attention import ATTENTION_NAME, recording_calls, register_h2o_attention
 from h2o_chat.engine.memory import return_freed_memory
 from h2o_chat.fused_norms import fuse_rms_norms
 from h2o_chat.fused_projections import fuse_projections
@@ -42,6 +44,10 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the way copies are written changes, so old copies are not reused.
 _COPY_FORMAT = 1
 _MIB = 1 << 20
+# Layer kinds whose cache is keys and values, one slot a token: what H2O evicts from.
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+# Tokens of the forward that shows what a model asks of its attention (``_require_h2o_attention``).
+_PROBE_TOKENS = 3
 # "gpt2" or "org/name": anything else that does not exist on disk is a mistyped path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -106,7 +112,7 @@ def convert_gguf(gguf: Path, target: Path, trust_remote_code: bool) -> PreTraine
     # Passing the config in saves the loader from parsing the GGUF metadata a second time.
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                         trust_remote_code=trust_remote_code)
-    _require_causal_lm(config, str(gguf), trust_remote_code)
+    _require_supported(config, str(gguf), trust_remote_code)
     # float32 on CPU whatever the run's dtype: the dequantized values are kept exactly, and
     # each later load casts to its own dtype and device. dequantize=True keeps plain dense
     # weights even where GGUF kernels are installed, which is what makes the model saveable.
@@ -155,6 +161,89 @@ def _require_causal_lm(config: transformers.PretrainedConfig, source: str,
             "causal (text-generating) language model; h2o-chat needs one such as "
             "HuggingFaceTB/SmolLM2-135M-Instruct."
         )
+
+
+def _require_supported(config: transformers.PretrainedConfig, source: str, trust_remote_code: bool) -> None:
+    """Refuse, before any weights load, a model that is not a causal LM or whose cache
+    and attention the H2O cache cannot take over exactly."""
+    _require_causal_lm(config, source, trust_remote_code)
+    _require_h2o_architecture(config, source)
+
+
+def _unsupported(config: transformers.PretrainedConfig, source: str, reason: str) -> ValueError:
+    return ValueError(f"model.source {source!r} is a {type(config).__name__} ({config.model_type}), which "
+                      f"h2o-chat cannot run: {reason}. Choose a model whose layers all attend to the "
+                      "whole context, such as HuggingFaceTB/SmolLM2-135M-Instruct.")
+
+
+def _require_h2o_architecture(config: transformers.PretrainedConfig, source: str) -> None:
+    """Refuse what the config alone shows H2O cannot serve: H2O bounds one cache of keys
+    and values per layer, scored by the attention that transformers' attention functions
+    compute over the whole context. Anything else would run, and reply wrongly."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _unsupported(config, source, "it is an encoder-decoder model, and h2o-chat runs decoder-only ones")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    if model_class is not None and not _uses_attention_functions(model_class):
+        raise _unsupported(config, source, f"{model_class.__name__} computes attention in its own code, not "
+                           "through transformers' attention functions, so the cache would never see the "
+                           "attention scores H2O evicts by")
+    text = config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    others = sorted(set(layer_types) - _ATTENTION_LAYERS)
+    if others:
+        raise _unsupported(config, source, f"it has {', '.join(others)} layers, which keep a state "
+                           "other than one key and value per token, the slots H2O evicts")
+    context = getattr(text, "max_position_embeddings", None)
+    windows = sorted({kwargs["sliding_window"] for kwargs in layer_kwargs if "sliding_window" in kwargs})
+    # A window as long as the context never takes effect; a shorter one hides older tokens.
+    short = [window for window in windows if window is not None and (context is None or window < context)]
+    if short:
+        raise _unsupported(config, source, f"{layer_types.count('sliding_attention') + layer_types.count('chunked_attention')} "
+                           f"of its {len(layer_types)} layers attend only to the last {short[0]:,} tokens "
+                           f"(a sliding window) of a {context or 0:,}-token context; the H2O cache keeps "
+                           "tokens from the whole conversation for every layer and cannot give a layer "
+                           "its window")
+
+
+def _uses_attention_functions(model_class: type) -> bool:
+    """Whether ``model_class``'s modeling code calls transformers' attention functions (an
+    ``attn_implementation`` of its own, "h2o", is only honoured there). Classes flag it,
+    but not all that do (StableLM, Jamba), hence its module is asked too."""
+    module = sys.modules[model_class.__module__]
+    return model_class._supports_attention_backend or hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
+def _require_h2o_attention(model: PreTrainedModel, source: str) -> None:
+    """Refuse what a probe forward shows the H2O attention would not compute as the
+    model's own: a layer whose attention does not reach the attention function (the
+    cache would get no scores), soft-capped logits, learned attention sinks, or a cache
+    that holds other tensors than the keys and values attention reads (the compressed
+    latents of multi-head latent attention)."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    cache = DynamicCache()  # not of the config: one layer per attention call, however many
+    ids = torch.zeros((1, _PROBE_TOKENS), dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    with torch.inference_mode(), recording_calls() as calls:
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layers = text.num_hidden_layers
+    if len(calls) != layers:
+        raise _unsupported(config, source, f"{len(calls)} attention calls reached transformers' attention "
+                           f"functions in a forward over its {layers} layers, one a layer is what the H2O "
+                           "cache scores and evicts by")
+    for layer, (call, cached) in enumerate(zip(calls, cache.layers)):
+        if call.extras.get("softcap") is not None:
+            raise _unsupported(config, source, f"its attention soft-caps the logits (softcap="
+                               f"{call.extras['softcap']}), which the H2O attention does not compute")
+        if call.extras.get("s_aux") is not None:
+            raise _unsupported(config, source, "its attention adds learned attention sinks (s_aux), "
+                               "which the H2O attention does not compute")
+        held = (tuple(cached.keys.shape[1::2]), tuple(cached.values.shape[1::2]))
+        read = (call.key_shape[1::2], call.value_shape[1::2])
+        if held != read:
+            raise _unsupported(config, source, f"layer {layer} caches keys and values of (heads, dim) "
+                               f"{held[0]} and {held[1]} but its attention reads {read[0]} and {read[1]} "
+                               "(compressed latents, as in multi-head latent attention); H2O must "
+                               "evict the keys and values attention scores")
 
 
 def _resolve_gguf(source: str | None, gguf_file: str | None) -> Path | None:
@@ -265,12 +354,13 @@ def load_model(
                                 "Hugging Face model id (org/name).")
 
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
-    _require_causal_lm(model_config, source, trust)
+    _require_supported(model_config, source, trust)
     register_h2o_attention()
     model = AutoModelForCausalLM.from_pretrained(
         source, config=model_config, attn_implementation=ATTENTION_NAME,
         trust_remote_code=trust, **kwargs,
     )
+    _require_h2o_attention(model, source)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     model.eval()
     own_weights_for_decoding(model)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -50,6 +53,27 @@ def hand_over(client: AttentionClient | None) -> None:
 def awaiting_attention() -> AttentionClient | None:
     """The client handed over in this thread and not yet served."""
     return getattr(_pending, "client", None)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What a model handed the attention function in one call: the shapes of the keys and
+    values ``(batch, kv_heads, slots, head_dim)`` and its extra arguments by name."""
+
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    extras: dict
+
+
+@contextmanager
+def recording_calls() -> Iterator[list[AttentionCall]]:
+    """Note every call of the attention function in this thread meanwhile, in a list: a
+    probe forward then shows what a model asks of its attention (``loading.py``)."""
+    _pending.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _pending.calls = None
 
 
 def h2o_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -196,6 +220,9 @@ def h2o_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    calls = getattr(_pending, "calls", None)
+    if calls is not None:
+        calls.append(AttentionCall(tuple(key.shape), tuple(value.shape), kwargs))
     client = awaiting_attention()
     if client is None:
         # No H2O cache in this call (e.g. a forward without past_key_values): plain sdpa.
