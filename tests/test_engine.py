@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_chat import make_cache
-from h2o_chat.engine.attention import ATTENTION_NAME
+from h2o_chat.engine.attention import ATTENTION_NAME, scored_attention, slot_mask
 
 from .helpers import fail_next_update, feed, record_slots_attended
 from .reference import REFERENCE_NAME, ReferenceRule, StoredAsCache, use_rule
@@ -445,3 +445,22 @@ def test_a_turns_cache_without_turns_is_h2o(tiny_model):
     assert torch.equal(torch.cat(logits["h2o"], 1), torch.cat(logits["turns"], 1))
     kept = {policy: [layer.positions.tolist() for layer in cache.stats().layers] for policy, cache in caches.items()}
     assert kept["turns"] == kept["h2o"]
+
+
+def test_a_chunks_narrow_causal_mask_scores_as_the_whole_one():
+    """A prefill chunk without padding masks only its own block of slots: outputs and
+    probabilities equal those of the mask over every slot; a query that the mask hides
+    from every slot (padding) hands out no mass."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 8)
+    narrow = slot_mask(None, None, 5, key, narrow=True)
+    whole = slot_mask(None, None, 5, key)
+    assert narrow.shape[-1] == 5 and whole.shape[-1] == 12
+    for got, want in zip(scored_attention(query, key, value, narrow, 0.3, hides_rows=False),
+                         scored_attention(query, key, value, whole, 0.3), strict=True):
+        assert torch.equal(got, want)
+    padded = whole.expand(2, 3, 5, 12).clone()
+    padded[1, :, 0] = False  # the second row's first query is padding
+    probabilities = scored_attention(query, key, value, padded, 0.3)[1]
+    assert probabilities[1, :, :, 0].abs().sum() == 0
+    assert torch.allclose(probabilities[0].sum(-1), torch.ones(3, 2, 5))

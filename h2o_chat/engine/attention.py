@@ -92,17 +92,22 @@ def _causal_block(query_len: int, device: torch.device) -> torch.Tensor:
 
 
 def slot_mask(valid: torch.Tensor | None, mask: torch.Tensor | None, query_len: int,
-              key: torch.Tensor) -> torch.Tensor | None:
+              key: torch.Tensor, narrow: bool = False) -> torch.Tensor | None:
     """Boolean mask over the held slots (``key``'s), broadcastable to ``(batch, kv_heads,
     query, slots)``, or None when every slot is visible to every query (plain decoding).
-    ``valid``: which held slots are real tokens, None when all are."""
+    ``valid``: which held slots are real tokens, None when all are. ``narrow``: where
+    only a chunk's own causality hides anything, its causal block alone, the mask of the
+    last ``query_len`` slots (``scored_attention`` takes such a mask)."""
     held, device = key.shape[2], key.device
     if valid is None:
         # No padding anywhere: the standard mask's columns are exact (all cached slots
         # are in the past); without one, only a multi-token chunk needs causality.
         if mask is None and query_len > 1:
-            old = torch.ones(query_len, held - query_len, dtype=torch.bool, device=device)
-            return torch.cat([old, _causal_block(query_len, device)], dim=-1)[None, None]
+            causal = _causal_block(query_len, device)[None, None]
+            if narrow:
+                return causal
+            old = torch.ones(1, 1, query_len, held - query_len, dtype=torch.bool, device=device)
+            return torch.cat([old, causal], dim=-1)
         return mask
     new = _causal_block(query_len, device) if mask is None else mask[..., -query_len:]
     new = new.expand(valid.shape[0], valid.shape[1], query_len, query_len)
@@ -146,8 +151,13 @@ def _weighted_values(probabilities: torch.Tensor, value: torch.Tensor) -> torch.
 
 
 def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float, hides_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit float32 probabilities.
+
+    ``mask`` as ``slot_mask`` gives it; one narrower than the slots is the mask of the
+    last ones, the earlier seen by every query. ``hides_rows``: whether the mask may hide
+    every slot from a query (a padding query), whose probabilities are then zeroed; a
+    narrow mask hides no whole row.
 
     Returns the output ``(batch, query, q_heads, head_dim)`` and the probabilities
     ``(batch, kv_heads, groups, query, slots)``, query heads grouped by KV head.
@@ -160,11 +170,13 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     logits = _float32_logits(grouped, key).mul_(scaling).view(batch, kv_heads, groups, query_len, slots)
     if mask is not None:
         mask = mask[:, :, None]  # broadcast over the query heads of each group
-        logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+        # In place, and over the masked slots only: in a long prefill these passes over
+        # every logit cost a sixth of the time (a chunk hides only its own later tokens).
+        logits[..., slots - mask.shape[-1]:].masked_fill_(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1)
-    if mask is not None:
+    if mask is not None and hides_rows:
         # Padding queries see nothing: give them no probability mass to hand out.
-        probs = probs * mask.any(dim=-1, keepdim=True)
+        probs.mul_(mask.any(dim=-1, keepdim=True))
     output = _weighted_values(probs.view(batch, kv_heads, groups * query_len, slots), value)
     output = output.view(batch, q_heads, query_len, -1).transpose(1, 2).to(query.dtype)
     return output.contiguous(), probs

@@ -277,12 +277,13 @@ class H2OLayer(CacheLayerMixin):
             self._mark_padding(attention_mask[:, 0, -1, -query_len:])
         if self._query_shift:
             query = self.rope.shift(query, self._query_shift)
-        mask = slot_mask(self.valid if self.has_padding else None, attention_mask, query_len, key)
+        valid = self.valid if self.has_padding else None
         if self.wants_probabilities:
-            output, probabilities = scored_attention(query, key, value, mask, scaling)
+            mask = slot_mask(valid, attention_mask, query_len, key, narrow=True)
+            output, probabilities = scored_attention(query, key, value, mask, scaling, hides_rows=self.has_padding)
             self.receive(probabilities)
             return output, probabilities.flatten(1, 2)
-        output = sdpa_attention(query, key, value, mask, scaling)
+        output = sdpa_attention(query, key, value, slot_mask(valid, attention_mask, query_len, key), scaling)
         self.receive(None)
         return output, None
 
