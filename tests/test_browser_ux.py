@@ -252,6 +252,19 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
         page.context.close()
 
 
+def test_a_click_on_send_leaves_the_focus_in_the_message_box(page):
+    # The clicked Send, hidden for Stop, took the focus with it to the page itself: the
+    # next message needed a click in the box first.
+    configure(page, max_new_tokens=8)
+    show_settings(page, False)
+    for view, tab in (("chat", "Chat"), ("compare", "Compare")):
+        open_tab(page, tab)
+        send(page, f"#{view}-input", f"#{view}-send", "Name a fruit.")
+        expect(page.locator(f"#{view}-input textarea")).to_be_focused()
+        page.keyboard.type("And a colour?")
+        expect(page.locator(f"#{view}-input textarea")).to_have_value("And a colour?")
+
+
 # The page's ids of a tab's swap back to Send: the events after each turn that answer
 # (send, stop).
 SWAP_BACK_EVENTS = """prefix => {

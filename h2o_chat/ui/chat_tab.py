@@ -122,7 +122,7 @@ class ChatTab:
         self._wire()
 
     def _wire(self) -> None:
-        self.swap = SendStopSwap(self.send, self.stop, self.state)
+        self.swap = SendStopSwap(self.send, self.stop, self.state, self.text)
         turn_inputs = {self.state, self.swap.signal, self.text, self.system_prompt, self.map.live,
                        self.pin_message, *self.settings.components, *self.map.pickers}
         outputs = [self.state, self.chatbot, self.ran_with, self.text, self.gauge, *self.map.outputs,

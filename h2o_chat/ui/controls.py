@@ -25,6 +25,15 @@ ESC_STOPS = """() => {
 
 # The page's half of the swap (see ``SendStopSwap.on``): Send hidden, Stop shown.
 SHOW_STOP = """() => [{__type__: "update", visible: false}, {__type__: "update", visible: true}]"""
+# The same, for a view with a message box: a Send clicked (the button under focus, about to
+# be hidden) hands the focus to the box, as a chat app does, where it had gone to the page
+# itself, so the next message needed a click first. Not on a touch screen, where focus
+# opens the keyboard over the reply.
+SHOW_STOP_FOCUS_BOX = """() => {
+  if (document.activeElement?.closest("#%(send)s") && !matchMedia("(pointer: coarse)").matches)
+    document.querySelector("#%(box)s textarea")?.focus();
+  return (%(show_stop)s)();
+}"""
 
 
 class StopSignal:
@@ -71,10 +80,13 @@ class SendStopSwap:
     ``stop_event(values)`` to their sessions. For others that follow the view's turns (the server line):
     ``started``, the swap's event in the page, which runs at once when a turn is asked for
     (an event wired after a turn on the same trigger waits for the turn to end), and
-    ``turns``."""
+    ``turns``. ``box``: the view's message box, which a click on Send gives the focus."""
 
-    def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State) -> None:
+    def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State,
+                 box: gr.Textbox | None = None) -> None:
         self.send, self.stop, self.state = send, stop, state
+        self.show_stop = SHOW_STOP if box is None else SHOW_STOP_FOCUS_BOX % {
+            "send": send.elem_id, "box": box.elem_id, "show_stop": SHOW_STOP}
         # A closed tab sets it: a turn of that tab that Gradio already took from the queue
         # ends before it reads a token.
         self.signal = gr.State(StopSignal(), delete_callback=lambda signal: signal.event.set())
@@ -87,7 +99,7 @@ class SendStopSwap:
         # server it could arrive after a turn that had meanwhile ended had shown Send
         # again (seen on a loaded machine: Stop left shown, with nothing to stop). Stop
         # already shown (a turn runs; this one will be refused) stays as it is.
-        self.started = gr.on(triggers, None, None, [self.send, self.stop], js=SHOW_STOP, queue=False,
+        self.started = gr.on(triggers, None, None, [self.send, self.stop], js=self.show_stop, queue=False,
                              show_progress="hidden", trigger_mode="multiple")
 
         def start(view: ViewState | None, signal: StopSignal) -> None:
