@@ -8,7 +8,7 @@ from h2o_chat import ChatSession, make_cache
 from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.fidelity import first_divergence
-from h2o_chat.ui.gauges import Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html
+from h2o_chat.ui.gauges import Gauge, TurnSeries, empty_gauge, gauge_html
 from h2o_chat.ui.streaming import Interleaved, Throttle, stream_turn
 
 
@@ -103,13 +103,11 @@ def test_turn_series_replaces_the_live_turn_and_plots_the_bytes_in_use():
     assert "(3.00 MB in use)" in gauge_html(replace(b, held=20, kv_bytes=8_000_000, held_bytes=3_000_000))
 
 
-def test_first_divergence_and_decode_rate():
+def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert first_divergence([], []) is None
-    assert decode_rate(11, busy_seconds=3.0, prefill_seconds=1.0) == 5.0
-    assert decode_rate(1, 3.0, 1.0) == 0.0
 
 
 class Clock:

@@ -73,3 +73,35 @@ def test_closing_a_view_stops_both_sides_and_leaves_the_server_count(loaded):
         list(stream)
     assert [len(side.reply) < 8 for side in sides] == [True, True]
     assert server_load()[0] == views_open - 1
+
+
+def test_the_compare_gauges_show_each_sides_own_decoding_speed(loaded):
+    # The scheduler decodes both sides in one batched step: the side whose thread waited
+    # for it held the whole step, the other's token was then ready at once, and a speed
+    # from each thread's wait gave it thousands of tokens/s.
+    import re
+
+    import gradio as gr
+
+    from h2o_chat.config import AppConfig
+    from h2o_chat.ui.compare_tab import CompareTab
+    from h2o_chat.ui.settings import Settings
+
+    provider = ModelProvider(lambda: (loaded.model, loaded.tokenizer), "SmolLM2").start()
+    config = AppConfig()
+    with gr.Blocks():
+        settings = Settings(config)
+        tab = CompareTab(provider, settings, config)
+    state = CompareState(loaded, SMALL, "Be brief.")
+    sampling = {"temperature": 0, "top_p": 0.9, "max_new_tokens": 24, "seed": 1}
+    values = {tab.map.live: False, tab.map.layer: -1, tab.map.head: -1, tab.fidelity.enabled: False}
+    with state.running():
+        streams = {side: session.send("Tell me about the sun.", **sampling)
+                   for side, session in state.sides.items()}
+        updates = list(tab._replies(values, state, streams, sampling, dict.fromkeys(streams, []),
+                                    dict.fromkeys(streams, "")))
+    for side, gauge in ((BOUNDED, tab.bounded_gauge), (FULL, tab.full_gauge)):
+        stats = state.sides[side].stats()
+        assert stats.generated > 1
+        shown = re.search(r'data-tps="([\d.]+)"', updates[-1][gauge]).group(1)
+        assert shown == f"{stats.decode_tokens_per_s:.2f}", side

@@ -19,7 +19,7 @@ from .chat_tab import echo_while_loading, shown_messages
 from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
 from .gauges import (
-    GAUGE_CSS, MEMORY, SLOTS, Gauge, TurnSeries, decode_rate, empty_gauge, gauge_html,
+    GAUGE_CSS, MEMORY, SLOTS, Gauge, TurnSeries, empty_gauge, gauge_html,
 )
 from .map_panel import MapPanel
 from .refusals import Refusal, refusing
@@ -78,9 +78,6 @@ class CompareState(ViewState):
         self.series = TurnSeries()
         self.turns = 0
         self.divergences: list[str] = []  # one line per turn
-        # Each side's decoding speed when it last generated: a side that a Continue
-        # does not take on (its reply ended by itself) keeps its own.
-        self.rates = dict.fromkeys(self.sides, 0.0)
         self.probe: FidelityProbe | None = None  # the fidelity gauge's shadow, while on
         self.fidelity_step: int | None = None  # the position picked in the gauge
 
@@ -114,7 +111,7 @@ class CompareTab:
         gr.Markdown(
             "Each message goes to two sessions in this process, one on the cache settings "
             "above and one keeping every token, with the same sampling seed; they decode "
-            "taking turns token by token. Until the bounded cache starts evicting, the replies "
+            "together, in the same batched steps. Until the bounded cache starts evicting, the replies "
             "normally match.")
         # The input right under the replies, both sized to the window: in view at 768 px.
         # Each side's name above its chat, not as the chat's label, which floated over the
@@ -171,7 +168,7 @@ class CompareTab:
         sends = [self.text.submit, self.send.click]
         # The only option a message has is the Continue chip of a reply cut short.
         continues = [self.bounded_chat.option_select, self.full_chat.option_select]
-        self.swap = SendStopSwap(self.send, self.stop, self.state)
+        self.swap = SendStopSwap(self.send, self.stop, self.state, self.text)
         self.swap.on(sends + continues)
         turn_inputs = {self.state, self.swap.signal, self.text, self.map.live, self.fidelity.enabled,
                        *self.settings.components, *self.map.pickers}
@@ -276,7 +273,7 @@ class CompareTab:
 
         def final() -> dict:
             return ({chats[side]: marked(state.shown(side), session, limit) for side, session in state.sides.items()}
-                    | self._views(values, state, steps.busy, final=True))
+                    | self._views(values, state, final=True))
 
         try:
             for side, chunk in steps:
@@ -285,7 +282,7 @@ class CompareTab:
                 replies[side] += chunk
                 update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
                 if throttle.due():
-                    update |= self._views(values, state, steps.busy, final=False)
+                    update |= self._views(values, state, final=False)
                 elif not paced.due():
                     continue
                 yield update
@@ -297,17 +294,16 @@ class CompareTab:
         if not state.closed:
             yield final()
 
-    def _views(self, values: dict, state: CompareState, busy: dict[str, float],
-               final: bool) -> dict:
+    def _views(self, values: dict, state: CompareState, final: bool) -> dict:
         """Both gauges, the divergence, at the end the per-turn plots, and (if live or at
-        the end) the bounded side's map, all from stats taken now, between two tokens.
-        ``busy``: the time the sides generating now spent in their own steps."""
+        the end) the bounded side's map, all from stats taken now, between two tokens."""
         snapshots = {BOUNDED: state.take(), FULL: Snapshot.of(state.sides[FULL])}
-        for side in busy:
-            stats = snapshots[side].stats
-            state.rates[side] = decode_rate(stats.generated, busy[side], stats.prefill_seconds)
-        gauges = {side: Gauge.of(state.labels[side], snap.stats, state.rates[side])
-                  for side, snap in snapshots.items()}
+        # Each side's speed is its session's own: its tokens over the time since its first.
+        # Not the time a side's thread waited for its chunks: the scheduler decodes both
+        # sides in one batched step, so one side's wait held the step and the other's next
+        # token was ready at once (thousands of tokens/s). A side a Continue does not take
+        # on (its reply ended by itself) keeps the speed of its last reply.
+        gauges = {side: Gauge.of(state.labels[side], snap.stats) for side, snap in snapshots.items()}
         turn = state.turns
         update = {
             self.bounded_gauge: gauge_html(gauges[BOUNDED]),

@@ -194,10 +194,3 @@ class TurnSeries:
     def order(self) -> list[str]:
         return sorted({row["turn"] for row in self.rows}, key=int)
 
-
-def decode_rate(generated: int, busy_seconds: float, prefill_seconds: float) -> float:
-    """Tokens per second of decoding, from the time a session spent in its own steps: the
-    first token comes out of the prefill, each later one costs a forward pass."""
-    decoding = busy_seconds - prefill_seconds
-    return (generated - 1) / decoding if generated > 1 and decoding > 0 else 0.0
-

@@ -68,8 +68,9 @@ class Interleaved:
     """Several text streams advanced one chunk each per round, each in a thread of its
     own (their generations run batched in the model's scheduler either way). Chunks come
     out once the whole round is done, so the sides show their text in step.
-    ``busy[key]`` is the time spent waiting for that stream's chunks, which gives each
-    side its speed."""
+    ``busy[key]`` is the time spent waiting for that stream's chunks (not a side's speed:
+    where the model's scheduler decodes the sides in one batched step, one side's wait
+    holds the step and the other's chunk is then ready at once)."""
 
     def __init__(self, streams: Mapping[str, Generator[str, None, None]],
                  clock: Callable[[], float] = time.perf_counter) -> None:
