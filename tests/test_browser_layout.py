@@ -11,11 +11,13 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, open_app, open_tab, send, show_settings,
+    configure, open_app, open_tab, send, settled_box, show_settings,
 )
 
 NARROW = {"width": 400, "height": 768}
 WIDE = {"width": 1366, "height": 768}
+# A tablet upright, where Gradio's page is 768 px wide, and a small laptop.
+TABLET, SMALL_LAPTOP = {"width": 768, "height": 1024}, {"width": 1024, "height": 768}
 # The chat and story views at 400 px with a two-turn chat: 3,184 and 2,304 px tall before
 # their secondary panels folded on narrow screens.
 SHORT_PAGE_PX = 2000
@@ -125,6 +127,20 @@ def test_at_400_px_nothing_is_cut_and_a_short_chat_is_a_short_page(browser, app_
         _nothing_cut(page)
         open_tab(page, "Compare")
         expect(page.locator("#compare-input")).to_be_visible()
+        _nothing_cut(page)
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("size", [TABLET, SMALL_LAPTOP], ids=["768x1024", "1024x768"])
+def test_the_send_row_is_whole_and_in_view_on_a_tablet_and_a_small_laptop(browser, app_url, size):
+    # At both sizes "pin this message" was squeezed to 80 px and cut ("pin th messa"); at
+    # 768 x 1024 Send wrapped under the box, 60 px below the window.
+    page = open_app(browser, app_url, **size)
+    try:
+        for elem_id in ("chat-input", "chat-pin-message", "chat-send"):
+            box = settled_box(page, f"#{elem_id}")
+            assert box["y"] + box["height"] <= size["height"], (elem_id, box)
         _nothing_cut(page)
     finally:
         page.context.close()
