@@ -252,15 +252,16 @@ def test_controls_in_view_send_turns_into_stop_and_esc_stops(browser, app_url):
         page.context.close()
 
 
-def test_a_click_on_send_leaves_the_focus_in_the_message_box(page):
+def test_a_click_on_send_leaves_the_focus_in_the_message_box_named_for_screen_readers(page):
     # The clicked Send, hidden for Stop, took the focus with it to the page itself: the
-    # next message needed a click in the box first.
+    # next message needed a click in the box first. The box is found by the name a
+    # screen reader reads out (it was "Textbox").
     configure(page, max_new_tokens=8)
     show_settings(page, False)
-    for view, tab in (("chat", "Chat"), ("compare", "Compare")):
+    for view, tab, name in (("chat", "Chat", "Message"), ("compare", "Compare", "Message for both")):
         open_tab(page, tab)
         send(page, f"#{view}-input", f"#{view}-send", "Name a fruit.")
-        expect(page.locator(f"#{view}-input textarea")).to_be_focused()
+        expect(page.get_by_role("textbox", name=name, exact=True)).to_be_focused()
         page.keyboard.type("And a colour?")
         expect(page.locator(f"#{view}-input textarea")).to_have_value("And a colour?")
 

@@ -100,8 +100,10 @@ class ChatTab:
                                           placeholder="Ask anything. Replies stream token by token.")
                 self.ran_with = ran_with_line("chat")
                 with gr.Row(equal_height=True):
+                    # Its label is only read out (screen readers said "Textbox").
                     self.text = gr.Textbox(placeholder="Type a message, Enter to send, Esc to stop",
-                                           show_label=False, scale=5, elem_id="chat-input")
+                                           label="Message", show_label=False, scale=5,
+                                           elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")
                     self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
                                           elem_id="chat-send")

@@ -130,8 +130,10 @@ class CompareTab:
                                             elem_id="compare-full-chat")
         self.ran_with = ran_with_line("compare")
         with gr.Row(equal_height=True):
+            # Its label is only read out (screen readers said "Textbox").
             self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
-                                   show_label=False, scale=5, elem_id="compare-input")
+                                   label="Message for both", show_label=False, scale=5,
+                                   elem_id="compare-input")
             self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,
                                   elem_id="compare-send")
             self.stop = stop_button("compare")
