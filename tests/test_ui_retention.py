@@ -201,3 +201,31 @@ def test_the_map_shows_the_budget_by_turn(tiny_model):
     plain = make_cache(tiny_model, "h2o", heavy=12, recent=4, sink=2)
     feed(tiny_model, plain, ids, 30)
     assert "Budget by turn" not in retention.maps_html(["x"] * 90, plain.stats(), 2, None, None)[1]
+
+
+def test_the_budget_by_turn_names_the_pinned_slots_its_shares_are_of(tiny_model):
+    # The gauge says "budget 16 + 3 pinned"; the turns' shares, of all 19 slots, were
+    # titled "of the budget", which a reader takes for the 16.
+    cache = make_cache(tiny_model, "turns", heavy=10, recent=4, sink=2)
+    cache.protect(0, 3)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 60))
+    for begin, end in ((0, 20), (20, 40), (40, 60)):
+        if begin:
+            cache.mark_turn(begin)
+        feed(tiny_model, cache, ids[:, begin:end], end - begin)
+    stats = cache.stats()
+    assert (stats.budget, stats.pinned) == (19, 3)
+    _, heat = retention.maps_html(["x"] * 60, stats, 2, None, None)
+    titles = re.findall(r'class="tshare t\d" style="flex-grow:[\d.]+" title="([^"]+)"', heat)
+    assert len(titles) == 3
+    for title in titles:
+        slots, share = re.search(r": ([\d.]+) slots per layer and KV head, (\d+)% of the 19 slots held "
+                                 r"at most \(budget 16 \+ 3 pinned\)$", title).groups()
+        assert abs(int(share) - 100 * float(slots) / 19) <= 1
+    plain = make_cache(tiny_model, "turns", heavy=10, recent=4, sink=2)
+    plain.mark_turn(20)
+    feed(tiny_model, plain, ids[:, :20], 20)
+    feed(tiny_model, plain, ids[:, 20:40], 20)
+    _, heat = retention.maps_html(["x"] * 40, plain.stats(), 2, None, None)
+    assert "% of the budget" in heat

@@ -317,17 +317,24 @@ def turn_shares(counts: np.ndarray, total: int, starts: Sequence[int], seen: int
     return shares
 
 
-def turn_shares_html(shares: Sequence[tuple[int, int, float, float | None]]) -> str:
+def turn_shares_html(shares: Sequence[tuple[int, int, float, float | None]],
+                     limit: int | None = None, pinned: int = 0) -> str:
     """A bar of the budget split between turns, oldest on the left, each turn's part
     titled with its positions and what it holds, so a user sees which turns the cache
-    still remembers; empty where the cache does not keep turns."""
+    still remembers; empty where the cache does not keep turns. ``limit``: the slots the
+    shares are of (the budget plus ``pinned``), named where pins make it more than the
+    budget the gauge shows."""
     if not shares:
         return ""
     held = sum(share[2] for share in shares) or 1.0
+    # "Budget" is the settings' slots everywhere (the gauge: "budget 32 + 21 pinned"); the
+    # shares are of those and the pins, which the title once called "the budget".
+    whole = ("the budget" if not pinned or limit is None else
+             f"the {limit} slots held at most (budget {limit - pinned} + {pinned} pinned)")
     parts = []
     for index, (first, last, slots, of_budget) in enumerate(shares):
         name = "before the first turn" if index == 0 and first == 0 else f"turn {index}"
-        budget_part = "" if of_budget is None else f", {of_budget:.0%} of the budget"
+        budget_part = "" if of_budget is None else f", {of_budget:.0%} of {whole}"
         title = f"{name}, tokens #{first}–{last}: {slots:.1f} slots per layer and KV head{budget_part}"
         parts.append(f'<span class="tshare t{index % 2}" style="flex-grow:{slots / held:.4f}" '
                      f'title="{html.escape(title)}"></span>')
@@ -354,7 +361,7 @@ def maps_html(pieces: Sequence[str], stats: CacheStats, kv_heads: int,
     if stats.turn_starts:
         shares = turn_shares(all_counts, everywhere, stats.turn_starts, stats.seen, stats.budget)
     return (token_map_html(pieces, counts, total, stats.seen, max_tokens, note),
-            turn_shares_html(shares)
+            turn_shares_html(shares, stats.budget, stats.pinned)
             + heatmap_html(heat_rows(held, head), layer, caption,
                            layer_rows(held, head, stats.seen), _heat_legend(head),
                            blocks_note(stats.policy, stats.pinned, evicted)))
