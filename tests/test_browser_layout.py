@@ -135,12 +135,18 @@ def test_at_400_px_nothing_is_cut_and_a_short_chat_is_a_short_page(browser, app_
 @pytest.mark.parametrize("size", [TABLET, SMALL_LAPTOP], ids=["768x1024", "1024x768"])
 def test_the_send_row_is_whole_and_in_view_on_a_tablet_and_a_small_laptop(browser, app_url, size):
     # At both sizes "pin this message" was squeezed to 80 px and cut ("pin th messa"); at
-    # 768 x 1024 Send wrapped under the box, 60 px below the window.
+    # 768 x 1024 Send wrapped under the box, 60 px below the window, and the pins' table
+    # ran out of its panel.
     page = open_app(browser, app_url, **size)
     try:
         for elem_id in ("chat-input", "chat-pin-message", "chat-send"):
             box = settled_box(page, f"#{elem_id}")
             assert box["y"] + box["height"] <= size["height"], (elem_id, box)
+        _nothing_cut(page)
+        configure(page, max_new_tokens=4)
+        show_settings(page, False)
+        send(page, "#chat-input", "#chat-send", "Hi!")
+        expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "1")
         _nothing_cut(page)
     finally:
         page.context.close()

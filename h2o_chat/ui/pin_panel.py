@@ -25,6 +25,9 @@ PIN_CSS = """
 .pins table { border-collapse: collapse; width: 100%; margin-top: 4px; }
 .pins td, .pins th { border-top: 1px solid var(--border-color-primary); padding: 2px 6px;
   text-align: left; }
+/* A pin's text breaks anywhere: "<|im_start|>system", one word, made the table wider than
+   the panel at 768 px, which cut it off. */
+.pins td:last-child { overflow-wrap: anywhere; }
 .pins .fixed { color: var(--body-text-color-subdued); }
 """
 
