@@ -21,9 +21,14 @@ def test_without_eviction_it_reads_what_the_engines_windowed_cache_reads(tiny_mo
     ref = reference_logprobs(tiny_model, ids)
     engine = stream_pass(tiny_model, make_cache(tiny_model, "full", **ENGINE), ids, ref, 4)[0]
     study = stream_pass(tiny_model, tier_cache(tiny_model, Tier("t", hi=200), 1.0, 70), ids, ref, 4)[0]
-    torch.testing.assert_close(study, engine, rtol=1e-5, atol=1e-5)
     full = stream_pass(tiny_model, make_cache(tiny_model, "full"), ids, ref, 4)[0]
-    assert float((study - full).abs().max()) > 1e-4  # the rounding shows
+    # The engine's full cache attends with sdpa and the study with its own products, whose
+    # float32 sums differ with the CPU's vector width (2e-4 on an Intel Xeon, under 1e-5 on
+    # an AMD EPYC): the study must read what the engine reads, far closer to it than to
+    # keys and values kept unrounded (7e-3 apart).
+    rounding = float((study - full).abs().max())
+    assert rounding > 1e-3  # the rounding shows
+    assert float((study - engine).abs().max()) < rounding / 10
 
 
 def test_with_eviction_and_no_tier_it_keeps_what_the_engines_h2o_keeps(tiny_model):
