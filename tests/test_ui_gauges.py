@@ -1,7 +1,6 @@
 """Gauge data, per-turn series, divergence and stream pacing: plain functions of stats."""
 
 import re
-import threading
 from dataclasses import replace
 
 from h2o_chat import ChatSession, make_cache
@@ -152,21 +151,13 @@ def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update()
     assert list(stream_turn(iter(["a"]), lambda t: {}, lambda f: {}, lambda: {}, lambda: True)) == []
 
 
-def test_interleaved_streams_alternate_and_time_each_side():
-    # Each stream steps in a thread of its own, so each thread keeps its own time.
-    times = threading.local()
-
-    def clock():
-        return getattr(times, "now", 0.0)
-
-    def stream(name, n, cost):
+def test_interleaved_streams_alternate():
+    def stream(name, n):
         for i in range(n):
-            times.now = clock() + cost
             yield f"{name}{i}"
 
-    steps = Interleaved({"a": stream("a", 3, 0.25), "b": stream("b", 2, 1.0)}, clock)
+    steps = Interleaved({"a": stream("a", 3), "b": stream("b", 2)})
     assert [chunk for _, chunk in steps] == ["a0", "b0", "a1", "b1", "a2"]
-    assert steps.busy == {"a": 0.75, "b": 2.0}
 
 
 def test_interleaved_closes_the_streams_it_abandons():

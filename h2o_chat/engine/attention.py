@@ -170,8 +170,8 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     logits = _float32_logits(grouped, key).mul_(scaling).view(batch, kv_heads, groups, query_len, slots)
     if mask is not None:
         mask = mask[:, :, None]  # broadcast over the query heads of each group
-        # In place, and over the masked slots only: in a long prefill these passes over
-        # every logit cost a sixth of the time (a chunk hides only its own later tokens).
+        # In place, and over the masked slots only (a chunk hides only its own later
+        # tokens): a copy and a pass over every logit of a long prefill fewer.
         logits[..., slots - mask.shape[-1]:].masked_fill_(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1)
     if mask is not None and hides_rows:

@@ -67,15 +67,10 @@ class Throttle:
 class Interleaved:
     """Several text streams advanced one chunk each per round, each in a thread of its
     own (their generations run batched in the model's scheduler either way). Chunks come
-    out once the whole round is done, so the sides show their text in step.
-    ``busy[key]`` is the time spent waiting for that stream's chunks (not a side's speed:
-    where the model's scheduler decodes the sides in one batched step, one side's wait
-    holds the step and the other's chunk is then ready at once)."""
+    out once the whole round is done, so the sides show their text in step."""
 
-    def __init__(self, streams: Mapping[str, Generator[str, None, None]],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self._streams, self.clock = dict(streams), clock
-        self.busy = {key: 0.0 for key in streams}
+    def __init__(self, streams: Mapping[str, Generator[str, None, None]]) -> None:
+        self._streams = dict(streams)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         try:
@@ -98,11 +93,7 @@ class Interleaved:
 
     def _step(self, key: str) -> str | None:
         """The next chunk of one stream, None once it has ended."""
-        started = self.clock()
-        try:
-            return next(self._streams[key], None)
-        finally:
-            self.busy[key] += self.clock() - started
+        return next(self._streams[key], None)
 
 
 def reply_failed(err: Exception) -> gr.Error:
