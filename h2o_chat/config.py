@@ -124,7 +124,8 @@ class ServerConfig:
     max_page_conversations: int = 32
     # Connections open at once (pages, API clients, streams); more get 503 until some
     # close. A client that goes silent for send_timeout_s while it owes a request (its
-    # head, or the rest of its body) is closed: idle sockets cannot pile up.
+    # head, or the rest of its body), or whose body comes slower than 1 KB/s on average
+    # past send_timeout_s, is closed: idle sockets cannot pile up.
     max_connections: int = 1000
     send_timeout_s: float = 10.0
     # Optional login. The environment variables H2O_CHAT_USERNAME / H2O_CHAT_PASSWORD

@@ -1,7 +1,7 @@
 """Sockets that never finish a request cannot pile up (slowloris): past
 ``server.max_connections`` a connection gets 503 at once, and a client silent for
-``server.send_timeout_s`` while it owes a request (its head, or the rest of its body) is
-closed by the server. Sent for real, over raw sockets, to the served API; real clients
+``server.send_timeout_s`` while it owes a request (its head, or the rest of its body), or
+sending its body slower than a real link would, is closed by the server. Sent for real, over raw sockets, to the served API; real clients
 check the rest."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
+from h2o_chat.api.connections import MIN_BODY_BYTES_PER_S
 from h2o_chat.config import ConfigError
 
 from .api_support import MODEL_ID, api_config, client, serving
@@ -113,26 +114,58 @@ def test_a_keep_alive_connection_idle_past_the_deadline_is_closed(url):
         read_all(sock)
 
 
-def test_a_body_that_stops_coming_is_closed_and_one_that_keeps_coming_is_answered(url):
-    """A pause longer than the deadline inside a body closes the connection; a body whose
-    pieces come more often than that is read whole, however long it takes in all."""
-    body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}' % MODEL_ID.encode()
+def chat_request(padding: int = 0) -> tuple[bytes, bytes]:
+    """A one-token chat request's head and body, the body padded with ``padding`` spaces
+    (JSON whitespace) to make it as long as a test needs."""
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1%s}' % (
+        MODEL_ID.encode(), b" " * padding)
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
+    return head, body
+
+
+def test_a_body_that_stops_coming_is_closed_and_one_that_keeps_coming_is_answered(url):
+    """A pause longer than the deadline inside a body closes the connection; a body whose
+    pieces come more often than that, at a real link's rate, is read whole however long
+    it takes in all."""
+    head, body = chat_request()
     with socket.create_connection(address(url), timeout=30) as sock:
         sock.sendall(head + body[:10])
         assert read_all(sock) == b""  # closed, unanswered
+    head, body = chat_request(padding=4000)
+    pieces = [body[i:i + 400] for i in range(0, len(body), 400)]
     with socket.create_connection(address(url), timeout=60) as sock:
         sock.sendall(head)
-        pieces = [body[i:i + 20] for i in range(0, len(body), 20)]
         for piece in pieces:  # 0.4 s apart: the whole body takes longer than the deadline
             time.sleep(SEND_TIMEOUT_S * 0.4)
             sock.sendall(piece)
         answer = b""
         while b"\r\n\r\n" not in answer:
             answer += sock.recv(65536)
-        assert len(pieces) * SEND_TIMEOUT_S * 0.4 > SEND_TIMEOUT_S
+        assert len(pieces) * SEND_TIMEOUT_S * 0.4 > 3 * SEND_TIMEOUT_S
         assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_body_that_trickles_is_closed_though_its_pieces_come_in_time(url):
+    """A byte at a time, each well within the deadline, cannot hold a connection for ever:
+    past the deadline, a body earns its time by the bytes it has sent
+    (``MIN_BODY_BYTES_PER_S``)."""
+    head, body = chat_request()
+    pause = SEND_TIMEOUT_S * 0.4
+    with socket.create_connection(address(url), timeout=30) as sock:
+        sock.sendall(head)
+        sock.settimeout(pause)
+        started, sent, closed = time.monotonic(), 0, False
+        while sent < len(body) - 1 and not closed:
+            try:
+                closed = sock.recv(65536) == b""  # a server that answers fails below
+                assert closed
+            except TimeoutError:
+                sock.sendall(body[sent:sent + 1])
+                sent += 1
+        elapsed = time.monotonic() - started
+    assert closed, f"{sent} bytes sent one at a time, {pause} s apart, and the connection still open"
+    assert SEND_TIMEOUT_S * 0.9 <= elapsed < SEND_TIMEOUT_S + (len(head) + sent) / MIN_BODY_BYTES_PER_S + 2 * pause
 
 
 def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):

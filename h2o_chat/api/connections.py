@@ -21,6 +21,10 @@ from h2o_chat.config import ServerConfig
 # File descriptors kept back from connections for everything else the process opens
 # (model and session files, pipes, the listening socket, the libraries' own).
 RESERVED_FDS = 128
+# The slowest average a request body may arrive at, past its first send_timeout_s: a
+# deadline between pieces alone let a client sending a byte every few seconds hold its
+# connection for ever. 1 KB/s is slower than any real link, so no upload is cut by it.
+MIN_BODY_BYTES_PER_S = 1024
 
 log = logging.getLogger("uvicorn.error")
 
@@ -65,16 +69,20 @@ def guarded_protocol(limits: ConnectionLimits) -> Any:
 class GuardedHTTP(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus: a connection past ``max_connections`` gets 503
     and is closed at once (so its descriptor is back before the next accept), and a
-    client silent for ``send_timeout_s`` while it owes a request is closed: before a whole
-    request head came (after connecting or after its last response), or while a body
-    comes (a pause between its pieces). A request sent whole is never timed out, however
-    long its answer takes (a reply streaming for minutes, a page's event stream)."""
+    client that owes a request is closed when it is late: a whole request head is due
+    ``send_timeout_s`` after connecting or after its last response; a body's next piece
+    is due ``send_timeout_s`` after its last one, and the body as a whole may take
+    ``send_timeout_s`` plus a second for each ``MIN_BODY_BYTES_PER_S`` it has sent. A
+    request sent whole is never timed out, however long its answer takes (a reply
+    streaming for minutes, a page's event stream)."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits, limit_log: LimitLog, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.limit_log = limit_log
         self.deadline: asyncio.TimerHandle | None = None
+        self.body_started: float | None = None  # loop time of the body's first piece
+        self.body_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -86,8 +94,8 @@ class GuardedHTTP(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is h11.SEND_BODY:  # the deadline runs from its last piece
-            self.await_client()
+        if self.conn.their_state is h11.SEND_BODY:
+            self.await_body(len(data))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_waiting()
@@ -109,9 +117,22 @@ class GuardedHTTP(H11Protocol):
         self.transport.close()
 
     def await_client(self) -> None:
+        """Give the client ``send_timeout_s`` for a whole request head."""
+        self.body_started = None
+        self.wait(self.limits.send_timeout_s)
+
+    def await_body(self, received: int) -> None:
+        now = self.loop.time()
+        if self.body_started is None:
+            self.body_started, self.body_bytes = now, 0
+        self.body_bytes += received
+        earned = self.body_started + self.limits.send_timeout_s + self.body_bytes / MIN_BODY_BYTES_PER_S
+        self.wait(min(self.limits.send_timeout_s, earned - now))
+
+    def wait(self, seconds: float) -> None:
         self.stop_waiting()
         if not self.transport.is_closing():
-            self.deadline = self.loop.call_later(self.limits.send_timeout_s, self.overdue)
+            self.deadline = self.loop.call_later(max(seconds, 0.0), self.overdue)
 
     def stop_waiting(self) -> None:
         if self.deadline is not None:
@@ -120,7 +141,11 @@ class GuardedHTTP(H11Protocol):
 
     def overdue(self) -> None:
         self.deadline = None
-        if self.transport.is_closing() or self.flow.read_paused:  # the app, not the client, is behind
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # the app, not the client, is behind: the body's clock restarts
+            self.body_started = None
+            self.wait(self.limits.send_timeout_s)
             return
         awaiting_head = self.cycle is None or self.cycle.response_complete
         if awaiting_head or self.conn.their_state is h11.SEND_BODY:
