@@ -142,6 +142,9 @@ class ServerConfig:
     api_max_queued: int = 32
     # Largest API request body read, in megabytes (JSON is parsed whole, in memory).
     api_max_request_mb: int = 8
+    # What all the request bodies being received (page and API; uploads, streamed to
+    # disk, aside) may hold together, in megabytes; a body past it gets 503.
+    max_body_memory_mb: int = 256
     # Web pages on other origins allowed to use the server, as a comma list of origins
     # ("http://localhost:3000, https://chat.example"; "*": any). Every other page's
     # requests are refused, so no site the user visits can drive a local server.
@@ -240,6 +243,7 @@ _RULES: dict[str, _Rule] = {
     "server.api_max_conversations": _int_between(1, 1024),
     "server.api_max_queued": _int_between(0, 4096),
     "server.api_max_request_mb": _int_between(1, 1024),
+    "server.max_body_memory_mb": _int_between(1, 65536),
     "server.allowed_origins": _Rule(
         lambda v: all(re.fullmatch(r"\*|https?://[^/\s,*]+", o.strip()) for o in v.split(",") if o.strip()),
         "must be a comma list of origins such as http://localhost:3000 (scheme://host[:port]), or *"),
@@ -313,6 +317,11 @@ def _check_text_limits(server: ServerConfig, system_prompt: str) -> None:
             f"server.max_message_chars = {server.max_message_chars}: must be at most "
             f"server.max_conversation_chars ({server.max_conversation_chars})",
             field="server.max_message_chars")
+    if server.max_body_memory_mb < server.api_max_request_mb:  # else no body of the largest size is read
+        raise ConfigError(
+            f"server.max_body_memory_mb = {server.max_body_memory_mb}: must be at least "
+            f"server.api_max_request_mb ({server.api_max_request_mb})",
+            field="server.max_body_memory_mb")
     if len(system_prompt) > server.max_system_prompt_chars:
         raise ConfigError(
             f"generation.system_prompt is {len(system_prompt):,} characters long: must be at most "

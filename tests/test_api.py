@@ -202,6 +202,33 @@ def test_a_pinned_message_stays_out_of_eviction(url):
     assert fresh.model_extra["h2o"]["pinned"] > plain.model_extra["h2o"]["pinned"] + 4
 
 
+def test_each_pinned_message_pins_its_own_tokens_whatever_else_says_the_same(url):
+    """Two messages saying the same, both pinned, are two pins (not one refused as pinned
+    twice), of the same size: each message's own tokens, not the text's last copy."""
+    said = "Remember the code word lantern."
+    messages = [{"role": "user", "content": said}, {"role": "assistant", "content": said},
+                {"role": "user", "content": "What is it?"}]
+    counts = []
+    for pins in ((), (0,), (0, 1)):
+        reply, _ = ask(url, [dict(m, pin=i in pins) for i, m in enumerate(messages)], max_tokens=2)
+        counts.append(reply.model_extra["h2o"]["pinned"])
+    none, one, both = counts
+    assert one > none + 4 and both - none == 2 * (one - none)
+
+
+def test_an_empty_system_message_is_an_empty_system_turn_pinned(url, smollm):
+    """Sent empty, the system turn is what the client sent: no text of the server's or the
+    template's own (SmolLM2's template writes a default system prompt where none is
+    given), and its few template tokens are pinned as every system turn is."""
+    user = {"role": "user", "content": QUESTION}
+    empty, _ = ask(url, [{"role": "system", "content": ""}, user], max_tokens=2)
+    one, _ = ask(url, [{"role": "system", "content": "x"}, user], max_tokens=2)
+    _, tokenizer = smollm
+    x_tokens = len(tokenizer("x", add_special_tokens=False).input_ids)
+    assert empty.usage.prompt_tokens == one.usage.prompt_tokens - x_tokens
+    assert empty.model_extra["h2o"]["pinned"] == one.model_extra["h2o"]["pinned"] - x_tokens > 0
+
+
 def test_raw_server_sent_events(url):
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": QUESTION}], "stream": True,
             "max_tokens": 8, "temperature": 0}

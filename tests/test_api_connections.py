@@ -18,6 +18,8 @@ import pytest
 from h2o_chat.api.connections import MIN_BODY_BYTES_PER_S
 from h2o_chat.config import ConfigError
 
+from h2o_chat.bench.client import read_metrics, wait_for_metrics
+
 from .api_support import MODEL_ID, api_config, client, serving
 
 LIMIT, SEND_TIMEOUT_S = 8, 1.0
@@ -166,6 +168,28 @@ def test_a_body_that_trickles_is_closed_though_its_pieces_come_in_time(url):
         elapsed = time.monotonic() - started
     assert closed, f"{sent} bytes sent one at a time, {pause} s apart, and the connection still open"
     assert SEND_TIMEOUT_S * 0.9 <= elapsed < SEND_TIMEOUT_S + (len(head) + sent) / MIN_BODY_BYTES_PER_S + 2 * pause
+
+
+def test_bodies_being_read_hold_at_most_their_shared_limit(smollm):
+    """Each within its own limit, two bodies at once past ``server.max_body_memory_mb``:
+    the one that would pass it gets 503 while the first is still coming, and the held
+    bytes are let go when the first one's client leaves."""
+    with serving(smollm, api_config(api_max_request_mb=1, max_body_memory_mb=1)) as url:
+        head, body = chat_request(padding=900_000)
+        small_head, small_body = chat_request(padding=200_000)
+        with socket.create_connection(address(url), timeout=30) as stalled:
+            stalled.sendall(head + body[:900_000])  # and no more, for now: with the next, past 1 MB
+            wait_for_metrics(url, lambda seen: seen["h2o_chat_request_body_bytes"] >= 900_000)
+            refused = httpx.post(url + "/v1/chat/completions", content=small_body, timeout=60,
+                                 headers={"Content-Type": "application/json"})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"] == {
+            "message": "the server is reading 1 MB of request bodies, its limit (server.max_body_memory_mb): "
+                       "try again later", "type": "unavailable_error", "param": None, "code": "server_busy"}
+        wait_for_metrics(url, lambda seen: seen["h2o_chat_request_body_bytes"] == 0)  # the client left
+        assert httpx.post(url + "/v1/chat/completions", content=small_body, timeout=120,
+                          headers={"Content-Type": "application/json"}).status_code == 200
+        assert read_metrics(url)['h2o_chat_refused_requests_total{code="server_busy"}'] == 1
 
 
 def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):

@@ -62,6 +62,13 @@ def refusal(url, status, **request):
     ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed when stream is true"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens", "min_tokens = 5: must be an integer from 0 to max_tokens (2)"),
+    ({"max_completion_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens",
+     "min_tokens = 5: must be an integer from 0 to max_completion_tokens (4)"),
+    # Not an object, whatever it is: falsy values too.
+    ({"stream_options": 0}, "stream_options", "stream_options must be an object, got a number"),
+    ({"stream_options": False}, "stream_options", "stream_options must be an object, got a boolean"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "messages[0].content[0].text must be a string, got a number"),
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos = 'yes': must be true or false"),
     ({"messages": []}, "messages", "messages must be a non-empty array of messages"),
     ({"messages": USER * 5}, "messages",
@@ -134,18 +141,6 @@ def test_malformed_bodies_get_400_and_the_server_stays_up(url):
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
-def test_a_refused_pin_names_the_clients_own_message(url):
-    """Without a system message the server puts its own first; the refusal still counts
-    the client's messages."""
-    said = "Remember the code word lantern."
-    body = refusal(url, 400, messages=[{"role": "user", "content": said, "pin": True},
-                                       {"role": "assistant", "content": said, "pin": True},
-                                       {"role": "user", "content": "What is it?"}])
-    assert body["param"] == "messages[1].pin"
-    assert body["message"].startswith("messages[1].pin: 'Remember the code word lantern.' (tokens ")
-    assert body["message"].endswith("is already pinned")
-
-
 def test_a_failed_reply_gets_500_and_the_server_logs_why(url, smollm, caplog):
     """The client is told the reply failed; the operator finds the traceback in the log."""
     fail_next_forward(smollm[0].model.layers[0])
@@ -194,10 +189,10 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
         assert httpx.request(method, url + path).status_code == 401, (method, path)
 
 
-def test_health_and_models_answer_head(url):
+def test_health_metrics_and_models_answer_head(url):
     assert httpx.head(url + "/health").status_code == 200
     headers = {"Authorization": f"Bearer {KEY}"}
-    for path in ("/v1/models", f"/v1/models/{MODEL_ID}"):
+    for path in ("/metrics", "/v1/models", f"/v1/models/{MODEL_ID}"):
         assert httpx.head(url + path, headers=headers).status_code == 200
         assert httpx.head(url + path).status_code == 401
 
@@ -233,8 +228,8 @@ def test_a_full_queue_gets_429(url):
         rest = generating(running)  # it holds the one generation slot
         body = refusal(url, 429)
         rest.close()
-        assert body == {"message": "the server is busy: 0 requests already wait for a generation slot "
-                                   "(server.api_max_queued); retry later",
+        assert body == {"message": "the server is busy: every generation slot is taken and the queue "
+                                   "for one is full (server.api_max_queued = 0); retry later",
                         "type": "rate_limit_error", "param": None, "code": "queue_full"}
     # Leaving stopped it: the slot comes back after the token in flight.
     deadline = time.monotonic() + 30

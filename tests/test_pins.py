@@ -147,6 +147,21 @@ def test_a_message_pinned_as_sent_is_its_content_and_always_works(smollm):
         session.pin("Tell me about the weather")
 
 
+def test_a_history_message_pins_its_own_tokens_not_a_later_copy(smollm):
+    """A chat started from a history pins message ``i`` itself: the text's last copy is a
+    reply quoting it, whose pin would leave the message to eviction."""
+    model, tokenizer = smollm
+    history = [{"role": "user", "content": "The code is 7421."},
+               {"role": "assistant", "content": "Noted. The code is 7421."}]
+    session = ChatSession(model, tokenizer, cache=h2o(model, 8, 8), history=history)
+    pin = session.pin_history(0)
+    reply = session.pin_history(1)
+    assert pin.text == "The code is 7421." and reply.text == "Noted. The code is 7421."
+    assert pin.end <= reply.start
+    with pytest.raises(ValueError, match="is already pinned"):
+        session.pin_history(0)
+
+
 def test_matching_ignores_whitespace_and_keeps_characters_whole(smollm):
     model, tokenizer = smollm
     history = [{"role": "user", "content": "Café naïve 🙂 and   spaced\n\nwords."},

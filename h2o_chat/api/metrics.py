@@ -103,9 +103,13 @@ class Metrics:
         self.refused = Counter("h2o_chat_refused_requests", "Requests refused before any route ran, "
                                "by why: forbidden_host (a Host the server does not answer to) or "
                                "forbidden_origin (a web page on another origin) or duplicate_header (two of a "
-                               "header those checks read)", ["code"], registry=registry)
-        for code in ("forbidden_host", "forbidden_origin", "duplicate_header"):
+                               "header those checks read) or server_busy (the bodies being read at their "
+                               "limit, server.max_body_memory_mb)", ["code"], registry=registry)
+        for code in ("forbidden_host", "forbidden_origin", "duplicate_header", "server_busy"):
             self.refused.labels(code)
+        self.request_body_bytes = Gauge("h2o_chat_request_body_bytes", "Bytes of the request bodies being "
+                                        "received now, page and API (uploads, streamed to disk, aside): "
+                                        "at most server.max_body_memory_mb", registry=registry)
         self.active = Gauge("h2o_chat_active_generations", "API turns generating now", registry=registry)
         self.queued = Gauge("h2o_chat_queued_requests", "API requests waiting for a generation slot",
                             registry=registry)

@@ -19,14 +19,7 @@ from starlette.middleware import Middleware
 from h2o_chat.config import ServerConfig
 from h2o_chat.ui.reload_notice import FRESH_LOGIN_COOKIE
 
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
-
-
-class RequestTooLarge(Exception):
-    pass
-
+from .body_reads import ReadRefused, Receive, Scope, Send, is_upload, read_guarded
 
 async def _answer(send: Send, status: int, text: str, headers: tuple = ()) -> None:
     body = json.dumps({"detail": text}).encode()
@@ -53,40 +46,24 @@ class RequestSizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        upload = headers.get(b"content-type", b"").startswith(b"multipart/form-data")
+        upload = is_upload(scope)
         limit, setting = ((self.max_upload_bytes, "server.max_request_mb") if upload
                           else (self.max_json_bytes, "server.api_max_request_mb"))
         refusal = (f"request body over the server's limit of {limit // 2**20} MB ({setting})")
-        length = headers.get(b"content-length")
+        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _answer(send, 413, refusal)
             return
-        received, over, started = 0, False, False
+        received = 0
 
-        async def counted_receive() -> dict[str, Any]:
-            nonlocal received, over
-            message = await receive()
+        def check(message: dict[str, Any]) -> None:
+            nonlocal received
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    over = True
-                    raise RequestTooLarge
-            return message
+                    raise ReadRefused
 
-        async def guarded_send(message: dict[str, Any]) -> None:
-            nonlocal started
-            if over:
-                return  # the app's answer to an aborted read: the 413 below replaces it
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, guarded_send)
-        except RequestTooLarge:
-            pass
-        if over and not started:
-            await _answer(send, 413, refusal)
+        await read_guarded(self.app, scope, receive, send, check, lambda send: _answer(send, 413, refusal))
 
 
 # Read (and taken away) by the page that Gradio's login form reloads (ui.reload_notice).

@@ -25,6 +25,7 @@ from h2o_chat.scheduler import scheduler_for
 from .conversations import ConversationStore, check_session_id
 from .turns import Delta, Finished, Turn, TurnRunner
 from .errors import APIError
+from .body_reads import BodyBudget, BodyMemory
 from .origins import OriginGuard, allowed_origins
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
@@ -59,6 +60,15 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     api.add_middleware(CORSMiddleware, allow_origins=allowed_origins(server),
                        allow_methods=["GET", "HEAD", "POST"], expose_headers=["X-Session-Id"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id"])
+    def bodies_at_limit() -> JSONResponse:
+        metrics.refused.labels("server_busy").inc()
+        return APIError(503, f"the server is reading {server.max_body_memory_mb} MB of request bodies, "
+                             "its limit (server.max_body_memory_mb): try again later",
+                        code="server_busy", headers={"Retry-After": "1"}).response()
+
+    bodies = BodyBudget(server.max_body_memory_mb * 2**20)
+    metrics.request_body_bytes.set_function(lambda: bodies.held)
+    api.add_middleware(BodyMemory, budget=bodies, refusal=bodies_at_limit)
     # Outermost: the page mounted on this app later is behind the same checks.
     api.add_middleware(OriginGuard, server=server, refused=lambda code: metrics.refused.labels(code).inc())
 
@@ -86,7 +96,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
         return answered(request, JSONResponse({"status": status, "model": name} | why,
                                               status_code=200 if status == "ok" else 503))
 
-    @api.get("/metrics")
+    @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus(request: Request) -> Response:
         authorize(request)
         return answered(request, Response(metrics.render(), media_type=CONTENT_TYPE))

@@ -81,15 +81,16 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise invalid("n", f"n = {n!r}: must be 1 (one choice per request)")
-    max_tokens = _max_tokens(body, defaults.max_new_tokens)
+    max_tokens, max_name = _max_tokens(body, defaults.max_new_tokens)
     ignore_eos = _bool(body, "ignore_eos", False)
     min_tokens = body.get("min_tokens")
     min_tokens = 0 if min_tokens is None else min_tokens
     if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
         raise invalid("min_tokens", f"min_tokens = {min_tokens!r}: must be an integer from 0 to "
-                                    f"max_tokens ({max_tokens})")
+                                    f"{max_name} ({max_tokens})")
     stream = _bool(body, "stream", False)
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, Mapping):
         raise invalid("stream_options", f"stream_options must be an object, got {_json_type(options)}")
     if options and not stream:  # as OpenAI's: options of a stream that is not one would go unheard
@@ -152,10 +153,11 @@ def _generation(body: Mapping, name: str, default: Any, field: str | None = None
         raise invalid(name, str(err).replace(config_name, name, 1)) from None
 
 
-def _max_tokens(body: Mapping, default: int) -> int:
+def _max_tokens(body: Mapping, default: int) -> tuple[int, str]:
+    """The reply's token limit, and the field it came from."""
     # max_completion_tokens is OpenAI's newer name; when both come, it wins, as there.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _generation(body, name, default, field="max_new_tokens")
+    return _generation(body, name, default, field="max_new_tokens"), name
 
 
 def _seed(value: Any) -> int | None:
@@ -250,10 +252,13 @@ def _content(where: str, value: Any) -> str:
         raise invalid(where, f"{where} must be a string or an array of text parts, got {_json_type(value)}")
     texts = []
     for index, part in enumerate(value):
-        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        field = f"{where}[{index}]"
+        if not (isinstance(part, Mapping) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, Mapping) else part
-            raise invalid(f"{where}[{index}]", f"{where}[{index}].type = {short(kind)}: only text "
-                                               'parts ({"type": "text", "text": ...}) are supported')
+            raise invalid(field, f"{field}.type = {short(kind)}: only text "
+                                 'parts ({"type": "text", "text": ...}) are supported')
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{field}.text", f"{field}.text must be a string, got {_json_type(part.get('text'))}")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -77,8 +77,8 @@ class APIQueue:
         """A granted ticket, once a slot is free; cancelled while waiting, it leaves."""
         running, _ = self._admission.load()
         if running >= self._admission.limit and self.waiting >= self.max_waiting:
-            raise APIError(429, f"the server is busy: {self.max_waiting} requests already wait for a "
-                                "generation slot (server.api_max_queued); retry later",
+            raise APIError(429, f"the server is busy: every generation slot is taken and the queue for "
+                                f"one is full (server.api_max_queued = {self.max_waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
@@ -251,13 +251,9 @@ class TurnRunner:
         session = chat_session(model, tokenizer, cache, system_prompt=system,
                                history=[{"role": m.role, "content": m.content} for m in turns],
                                limits=InputLimits.of(self.config.server))
-        for message in turns:
-            if message.pin:
-                try:
-                    session.pin(message.content)  # not fed yet: nothing evicted, so it holds
-                except ValueError as err:
-                    where = f"messages[{message.index}].pin"
-                    raise APIError(400, f"{where}: {err}", param=where, code="invalid_value") from None
+        for index, message in enumerate(turns):
+            if message.pin:  # its own tokens, not yet fed: nothing evicted, and never pinned twice
+                session.pin_history(index)
         return session
 
     def _count(self, before: SessionStats, after: SessionStats) -> None:

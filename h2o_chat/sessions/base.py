@@ -183,18 +183,25 @@ class Session:
         the cache already evicted any of those tokens from some layer or KV head.
         """
         with self.between_turns("pin"):
-            start, end = find_span(self.tokenizer, self.tokens, text, near)
-            shown = shorten(self.decode(self.tokens[start:end]))
-            if (start, end) in self.cache.spans.ranges:
-                raise ValueError(f"{shown!r} (tokens {start}..{end - 1}) is already pinned")
-            lost = self.cache.evicted(start, end)
-            if lost:
-                raise ValueError(
-                    f"cannot pin {shown!r}: {len(lost)} of its {end - start} tokens were already "
-                    "evicted from the cache, and an evicted token cannot come back. Pin text "
-                    "while the cache still holds it, or tick 'pin' when sending it.")
-            self.cache.protect(start, end)
-            return next(p for p in self.pins() if (p.start, p.end) == (start, end))
+            return self._pin_span(*find_span(self.tokenizer, self.tokens, text, near))
+
+    def pin_span(self, start: int, end: int) -> Pin:
+        """Pin tokens ``start`` to ``end`` (exclusive), refused as ``pin`` refuses."""
+        with self.between_turns("pin"):
+            return self._pin_span(start, end)
+
+    def _pin_span(self, start: int, end: int) -> Pin:
+        shown = shorten(self.decode(self.tokens[start:end]))
+        if (start, end) in self.cache.spans.ranges:
+            raise ValueError(f"{shown!r} (tokens {start}..{end - 1}) is already pinned")
+        lost = self.cache.evicted(start, end)
+        if lost:
+            raise ValueError(
+                f"cannot pin {shown!r}: {len(lost)} of its {end - start} tokens were already "
+                "evicted from the cache, and an evicted token cannot come back. Pin text "
+                "while the cache still holds it, or tick 'pin' when sending it.")
+        self.cache.protect(start, end)
+        return next(p for p in self.pins() if (p.start, p.end) == (start, end))
 
     def unpin(self, pin_id: int) -> Pin:
         """Let the cache evict the pin's tokens again (they compete on the scores they

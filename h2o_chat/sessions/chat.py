@@ -13,7 +13,8 @@ from ..engine.cache import H2OCache
 from ..sampling import Sampling
 from ..inputs import InputError, InputLimits, check_chat_turn, check_conversation, is_blank
 from ..scheduler import BatchScheduler, TakeTurns
-from .base import Session
+from .base import Pin, Session
+from .pins import require_text
 
 
 class ChatSession(Session):
@@ -21,6 +22,9 @@ class ChatSession(Session):
 
     Each turn renders the conversation with the template and feeds only the text after
     what was already fed; the system prompt is protected from eviction by default.
+
+    ``system_prompt`` None leaves the system turn to the template (some templates write
+    a default one, unpinned); any string, the empty one included, is the system turn.
 
     ``history`` (user/assistant messages, no system) starts the chat mid-conversation:
     an evicting cache cannot go back in time, so regenerating, undoing or editing a turn
@@ -47,7 +51,9 @@ class ChatSession(Session):
         self.messages: list[dict[str, str]] = []
         self._template_text = ""  # the template text of self.tokens
         self._reply_start = ""  # the template text before the last reply
-        if system_prompt:
+        self._history_spans: list[tuple[int, int]] = []  # each history message's content tokens
+        self._history_first = 0  # the first history message's index in self.messages
+        if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
             self._template_text = tokenizer.apply_chat_template(self.messages, tokenize=False)
             self.tokens = self._encode(self._template_text)
@@ -58,11 +64,19 @@ class ChatSession(Session):
             # Encoded apart from the system prompt, as turns are, so the protected span
             # covers exactly the system prompt's tokens.
             self._template_text, new_tokens, contents = self._render_new(self.messages + history, False)
-            for message, (start, _) in zip(history, contents):
+            self._history_spans = [(len(self.tokens) + start, len(self.tokens) + end) for start, end in contents]
+            for message, (start, _) in zip(history, self._history_spans):
                 if message["role"] == "user":
-                    self.cache.mark_turn(len(self.tokens) + start)
+                    self.cache.mark_turn(start)
             self.tokens += new_tokens
+            self._history_first = len(self.messages)
             self.messages += history
+
+    def pin_history(self, index: int) -> Pin:
+        """Pin the content of message ``index`` of the ``history`` the chat started from:
+        that message's own tokens, wherever else the same text occurs."""
+        require_text(self.messages[self._history_first + index]["content"])
+        return self.pin_span(*self._history_spans[index])
 
     @property
     def template_text(self) -> str:
@@ -182,10 +196,9 @@ def chat_session(model, tokenizer, settings: CacheConfig, *, system_prompt: str 
                  history: Sequence[Mapping[str, str]] = (), limits: InputLimits | None = None,
                  cache: H2OCache | None = None) -> ChatSession:
     """A chat as every door starts one: on a cache of ``settings`` (or on ``cache``, e.g.
-    the compare view's full one), read in ``settings``' prefill chunks; an empty system
-    prompt means none."""
+    the compare view's full one), read in ``settings``' prefill chunks."""
     return ChatSession(model, tokenizer, cache=cache or cache_from_config(model, settings),
-                       system_prompt=system_prompt or None, prefill_chunk_size=settings.prefill_chunk_size,
+                       system_prompt=system_prompt, prefill_chunk_size=settings.prefill_chunk_size,
                        history=history, limits=limits)
 
 

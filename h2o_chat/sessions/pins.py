@@ -17,11 +17,16 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def require_text(text: object) -> None:
+    """ValueError unless ``text`` has something to pin."""
+    if is_blank(str(text)):
+        raise ValueError("nothing to pin: the text is empty")
+
+
 def find_span(tokenizer, tokens: Sequence[int], text: str, near: int | None = None) -> tuple[int, int]:
     """The token span ``[start, end)`` of ``text``'s last occurrence in ``tokens`` (the one
     starting closest to token ``near``, if given); ValueError if it does not occur."""
-    if is_blank(str(text)):
-        raise ValueError("nothing to pin: the text is empty")
+    require_text(text)
     needle = "".join(str(text).split())
     firsts, pieces = token_pieces(tokenizer, tokens)
     chars, owner = [], []  # the conversation's non-space characters, and their piece
