@@ -1,6 +1,7 @@
 """The page's layout in the real app and Debian's chromium: at 400 px wide nothing is cut
-off and a short chat is a short page, a tap shows what hovering shows, and at 1366 × 768
-no chat icon covers the conversation and the edit box is wide enough to edit in."""
+off and a short chat is a short page, on a phone the compare view's message row is in
+view, a tap shows what hovering shows, and at 1366 × 768 no chat icon covers the
+conversation and the edit box is wide enough to edit in."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, open_app, open_tab, send, settled_box, show_settings,
+    configure, messages, open_app, open_tab, send, settled_box, show_settings,
 )
 
 NARROW = {"width": 400, "height": 768}
+PHONE = {"width": 390, "height": 844}
 WIDE = {"width": 1366, "height": 768}
 # A tablet upright, where Gradio's page is 768 px wide, and a small laptop.
 TABLET, SMALL_LAPTOP = {"width": 768, "height": 1024}, {"width": 1024, "height": 768}
@@ -148,6 +150,34 @@ def test_the_send_row_is_whole_and_in_view_on_a_tablet_and_a_small_laptop(browse
         send(page, "#chat-input", "#chat-send", "Hi!")
         expect(page.locator("#chat-pin-list .pins")).to_have_attribute("data-count", "1")
         _nothing_cut(page)
+    finally:
+        page.context.close()
+
+
+def _in_window(page, selector: str, size: dict[str, int]) -> None:
+    box = settled_box(page, selector)
+    assert 0 <= box["x"] and box["x"] + box["width"] <= size["width"], (selector, box)
+    assert 0 <= box["y"] and box["y"] + box["height"] <= size["height"], (selector, box)
+
+
+def test_on_a_phone_the_compare_message_row_is_in_view_and_sends_to_both(browser, app_url):
+    # The message row came after the view's description and the two chats one above the
+    # other: Send was 590 px below the bottom of the window.
+    page = open_app(browser, app_url, has_touch=True, is_mobile=True, **PHONE)
+    try:
+        open_tab(page, "Compare")
+        row = ("#compare-input textarea", "#compare-send")
+        for selector in row:
+            _in_window(page, selector, PHONE)
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= PHONE["width"]
+        configure(page, max_new_tokens=8)
+        show_settings(page, False)
+        send(page, "#compare-input", "#compare-send", "Name a fruit.")
+        for chat in ("compare-bounded-chat", "compare-full-chat"):
+            assert [m.strip() for m in messages(page, chat, "user")] == ["Name a fruit."], chat
+            assert messages(page, chat, "bot")[0].strip(), chat
+        for selector in row:  # still, once the settings opened and folded scrolled the page
+            _in_window(page, selector, PHONE)
     finally:
         page.context.close()
 

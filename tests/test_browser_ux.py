@@ -266,6 +266,24 @@ def test_a_click_on_send_leaves_the_focus_in_the_message_box_named_for_screen_re
         expect(page.locator(f"#{view}-input textarea")).to_have_value("And a colour?")
 
 
+def test_after_continue_the_focus_is_back_on_continue(page):
+    # Continue, hidden for Stop while the story streams, took the focus with it to the
+    # page itself: a keyboard user had to find the way back to continue again. The turn
+    # gives it back, stopped (Esc, on the longest greedy story: it cannot end first) or
+    # finished.
+    open_tab(page, "Story")
+    configure(page)
+    set_number(page, "story-tokens", 1024)
+    page.fill("#story-text textarea", "The storm reached the island at dusk.")
+    page.click("#story-continue")
+    page.wait_for_function("() => document.querySelector('#story-text textarea').value.length > 60")
+    page.keyboard.press("Escape")
+    expect(page.locator("#story-continue")).to_be_focused()
+    set_number(page, "story-tokens", 8)
+    start_and_wait(page, "#story-continue")
+    expect(page.locator("#story-continue")).to_be_focused()
+
+
 # The page's ids of a tab's swap back to Send: the events after each turn that answer
 # (send, stop).
 SWAP_BACK_EVENTS = """prefix => {

@@ -129,7 +129,7 @@ class CompareTab:
                                             height="calc(100vh - 520px)", min_height=200,
                                             elem_id="compare-full-chat")
         self.ran_with = ran_with_line("compare")
-        with gr.Row(equal_height=True):
+        with gr.Row(equal_height=True, elem_id="compare-send-row"):
             # Its label is only read out (screen readers said "Textbox").
             self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
                                    label="Message for both", show_label=False, scale=5,

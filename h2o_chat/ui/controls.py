@@ -25,15 +25,30 @@ ESC_STOPS = """() => {
 
 # The page's half of the swap (see ``SendStopSwap.on``): Send hidden, Stop shown.
 SHOW_STOP = """() => [{__type__: "update", visible: false}, {__type__: "update", visible: true}]"""
-# The same, for a view with a message box: a Send clicked (the button under focus, about to
-# be hidden) hands the focus to the box, as a chat app does, where it had gone to the page
-# itself, so the next message needed a click first. Not on a touch screen, where focus
-# opens the keyboard over the reply.
-SHOW_STOP_FOCUS_BOX = """() => {
-  if (document.activeElement?.closest("#%(send)s") && !matchMedia("(pointer: coarse)").matches)
-    document.querySelector("#%(box)s textarea")?.focus();
+# The same, where a Send clicked (the button under focus, about to be hidden) took the focus
+# with it to the page itself: a keyboard user had to find the way back before the next
+# message. ``keep_focus`` says where the focus goes instead. Not on a touch screen, where
+# nobody tabs and focus on the box opened the keyboard over the reply.
+SHOW_STOP_KEEP_FOCUS = """() => {
+  if (document.activeElement?.closest("#%(send)s") && !matchMedia("(pointer: coarse)").matches) {
+    %(keep_focus)s
+  }
   return (%(show_stop)s)();
 }"""
+# A view with a message box: to the box, as a chat app does, so the next message is typed
+# at once.
+FOCUS_BOX = """document.querySelector("#%(box)s textarea")?.focus();"""
+# A view without one (the story's Continue): back to Send once the turn ends and Gradio draws
+# it anew, unless the user put the focus somewhere meanwhile. Without scrolling: a reader who
+# scrolled away from the button while the text streamed stays where they are.
+FOCUS_SEND_AGAIN = """const clicked = document.querySelector("#%(send)s");
+    const back = new MutationObserver(() => {
+      const send = document.querySelector("#%(send)s");
+      if (!send || send === clicked) return;
+      back.disconnect();
+      if (document.activeElement === document.body) send.focus({preventScroll: true});
+    });
+    back.observe(document.body, {childList: true, subtree: true});"""
 
 
 class StopSignal:
@@ -80,13 +95,15 @@ class SendStopSwap:
     ``stop_event(values)`` to their sessions. For others that follow the view's turns (the server line):
     ``started``, the swap's event in the page, which runs at once when a turn is asked for
     (an event wired after a turn on the same trigger waits for the turn to end), and
-    ``turns``. ``box``: the view's message box, which a click on Send gives the focus."""
+    ``turns``. ``box``: the view's message box, which a click on Send gives the focus;
+    without one, Send gets it back when the turn ends."""
 
     def __init__(self, send: gr.Button, stop: gr.Button, state: gr.State,
                  box: gr.Textbox | None = None) -> None:
         self.send, self.stop, self.state = send, stop, state
-        self.show_stop = SHOW_STOP if box is None else SHOW_STOP_FOCUS_BOX % {
-            "send": send.elem_id, "box": box.elem_id, "show_stop": SHOW_STOP}
+        ids = {"send": send.elem_id, "box": None if box is None else box.elem_id}
+        keep_focus = FOCUS_SEND_AGAIN if box is None else FOCUS_BOX
+        self.show_stop = SHOW_STOP_KEEP_FOCUS % {"keep_focus": keep_focus % ids, "show_stop": SHOW_STOP, **ids}
         # A closed tab sets it: a turn of that tab that Gradio already took from the queue
         # ends before it reads a token.
         self.signal = gr.State(StopSignal(), delete_callback=lambda signal: signal.event.set())
