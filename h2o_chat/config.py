@@ -133,7 +133,8 @@ class ServerConfig:
     username: str | None = None
     password: str | None = None
     # Key the HTTP API (/v1, /metrics) asks for as "Authorization: Bearer <key>"; None =
-    # no key. The environment variable H2O_CHAT_API_KEY overrides it.
+    # no key. Several keys, separated by commas, are several users: each one's API
+    # conversations are its own. The environment variable H2O_CHAT_API_KEY overrides it.
     api_key: str | None = None
     # API conversations kept with their caches for reuse by the next request; the least
     # recently used goes first, and any is freed after idle_release_minutes.
@@ -239,7 +240,8 @@ _RULES: dict[str, _Rule] = {
     "server.send_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
-    "server.api_key": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+    "server.api_key": _Rule(lambda v: all(k.strip() for k in v.split(",")) and len(api_keys(v)) == len(v.split(",")),
+                            "must be a key, or different keys separated by commas, none empty"),
     "server.api_max_conversations": _int_between(1, 1024),
     "server.api_max_queued": _int_between(0, 4096),
     "server.api_max_request_mb": _int_between(1, 1024),
@@ -308,6 +310,11 @@ class Budget:
     def amount(self, n_bytes: int) -> str:
         """``n_bytes`` in the unit the budget was given in."""
         return f"{n_bytes / MEGABYTE:.6g} MB" if self.field == "cache.budget_mb" else f"{n_bytes:,} bytes"
+
+
+def api_keys(value: str | None) -> list[str]:
+    """The keys of a ``server.api_key`` setting (a comma list), in order, without repeats."""
+    return [] if value is None else list(dict.fromkeys(k.strip() for k in value.split(",")))
 
 
 def _check_text_limits(server: ServerConfig, system_prompt: str) -> None:

@@ -126,6 +126,27 @@ def test_x_session_id_binds_a_client_to_its_conversation(url):
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
 
 
+def test_each_key_is_a_user_whose_conversations_no_other_key_reaches(smollm):
+    """With two keys, one key's conversations, matched by history or named, are neither
+    continued nor replaced by the other key's requests, however exactly they repeat them."""
+    def turn(key, messages, session_id=None):
+        headers = {} if session_id is None else {"X-Session-Id": session_id}
+        return client(url, key).chat.completions.create(model=MODEL_ID, messages=messages,
+                                                        extra_headers=headers, **GREEDY)
+
+    def cached(completion) -> int:
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    with serving(smollm, api_config(api_key="k-alice, k-bob")) as url:
+        for session_id in (None, "shared-name"):
+            first = turn("k-alice", [{"role": "user", "content": "Hi!"}], session_id)
+            messages = [{"role": "user", "content": "Hi!"},
+                        {"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "How are you?"}]
+            assert cached(turn("k-bob", messages, session_id)) == 0
+            assert cached(turn("k-alice", messages, session_id)) == first.usage.total_tokens - 1
+
+
 def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url):
     questions = ["Why is the sky blue?", "Write a haiku about the sea."]
     replies = {}

@@ -7,6 +7,7 @@ check the rest."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -209,7 +210,10 @@ def test_a_reply_that_streams_past_the_deadline_is_not_cut(url):
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("max_connections", 7, "must be an integer from 8 to 1000000"),
     ("send_timeout_s", 0, "must be a number of seconds > 0 and <= 3600"),
+    ("api_key", "k-1,,k-2", "must be a key, or different keys separated by commas, none empty"),
+    ("api_key", "k-1, k-1", "must be a key, or different keys separated by commas, none empty"),
+    ("max_body_memory_mb", 4, r"must be at least server.api_max_request_mb \(8\)"),
 ])
 def test_the_limits_are_checked_by_name(field, value, allowed):
-    with pytest.raises(ConfigError, match=rf"server\.{field} = {value}: {allowed}"):
+    with pytest.raises(ConfigError, match=rf"server\.{field} = {re.escape(repr(value))}: {allowed}"):
         api_config(**{field: value})

@@ -160,7 +160,7 @@ def test_a_bad_session_id_gets_400(url):
 
 
 def test_a_missing_or_wrong_key_gets_401(url):
-    message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key of server.api_key"
+    message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with a key of server.api_key"
     with pytest.raises(openai.AuthenticationError) as caught:
         client(url, "wrong").chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=2)
     assert caught.value.status_code == 401 and caught.value.body["message"] == message

@@ -6,6 +6,9 @@ replies as the session recorded them, pins), the request continues that session:
 tokens, and so its cache, already cover all of it, and only the new message is fed. An
 evicting cache cannot go back, so anything else (an edited turn, a reply cut by a stop
 string, a dropped pin) starts a fresh session on the request's history.
+
+Each API key is a user of its own: a conversation is continued, named or matched, only
+by requests with the key that began it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234
 @dataclass(eq=False)
 class Conversation:
     id: str
+    owner: str  # whose it is (an API key's place): no other key's request reaches it
     named: bool  # the client chose the id (X-Session-Id): only requests naming it reach it
     # What the session holds, spelled as requests spell it; () while a fresh session waits
     # to be built on the next turn's history.
@@ -55,32 +59,34 @@ class ConversationStore:
                  released: Callable[[], None] = lambda: None) -> None:
         self.max_conversations, self.idle_seconds = max_conversations, idle_seconds
         self._released = released
-        self._items: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
+        # By (owner, id), the least recently used first.
+        self._items: OrderedDict[tuple[str, str], Conversation] = OrderedDict()
         self._lock = threading.Lock()  # turns end on worker threads
 
-    def checkout(self, history: tuple[Message, ...], session_id: str | None) -> Conversation:
-        """The conversation for a request whose messages before the new one are
-        ``history``, marked busy: a kept one that holds exactly ``history``, else a new
-        one whose ``session`` is None, to be built on ``history``."""
+    def checkout(self, history: tuple[Message, ...], owner: str, session_id: str | None) -> Conversation:
+        """The conversation for ``owner``'s request whose messages before the new one are
+        ``history``, marked busy: a kept one of ``owner``'s that holds exactly ``history``,
+        else a new one whose ``session`` is None, to be built on ``history``."""
         with self._lock:
             self._drop_idle()
             if session_id is not None:
-                conversation = self._items.get(session_id)
+                conversation = self._items.get((owner, session_id))
                 if conversation is not None and conversation.busy:
                     raise APIError(409, f"conversation {session_id!r} is generating a reply: wait for "
                                         "it to end, or use another X-Session-Id", param="X-Session-Id",
                                    code="session_busy")
                 if conversation is None or conversation.messages != history:
-                    conversation = Conversation(session_id, named=True)
+                    conversation = Conversation(session_id, owner, named=True)
             else:
-                conversation = next((c for c in reversed(self._items.values())
-                                     if not c.busy and not c.named and c.messages == history), None)
+                conversation = next((c for c in reversed(self._items.values()) if c.owner == owner
+                                     and not c.busy and not c.named and c.messages == history), None)
                 if conversation is None:
-                    conversation = Conversation("conv-" + secrets.token_hex(8), named=False)
+                    conversation = Conversation("conv-" + secrets.token_hex(8), owner, named=False)
             conversation.busy = True
-            replaced = self._items.get(conversation.id) not in (None, conversation)
-            self._items[conversation.id] = conversation
-            self._items.move_to_end(conversation.id)
+            key = (owner, conversation.id)
+            replaced = self._items.get(key) not in (None, conversation)
+            self._items[key] = conversation
+            self._items.move_to_end(key)
             self._drop_over_bound()
         if replaced:
             self._released()
@@ -94,8 +100,8 @@ class ConversationStore:
             conversation.busy = False
             conversation.last_used = time.monotonic()
             if messages is None:
-                if self._items.get(conversation.id) is conversation:
-                    del self._items[conversation.id]
+                if self._items.get((conversation.owner, conversation.id)) is conversation:
+                    del self._items[conversation.owner, conversation.id]
             else:
                 conversation.messages, conversation.stats = messages, stats
             self._drop_over_bound()
@@ -117,6 +123,6 @@ class ConversationStore:
 
     def _drop(self, conversations: list[Conversation]) -> None:
         for conversation in conversations:
-            del self._items[conversation.id]
+            del self._items[conversation.owner, conversation.id]
         if conversations:
             self._released()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from h2o_chat.config import AppConfig
+from h2o_chat.config import AppConfig, api_keys
 from h2o_chat.inputs import InputError, InputLimits, read_json
 from h2o_chat.scheduler import scheduler_for
 
@@ -119,11 +119,11 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
+        owner = authorize(request)
         chat = parse_chat_request(await _read_json(request, max_body, limits), config.generation, limits)
         session_id = request.headers.get("x-session-id")
         started = asyncio.ensure_future(
-            turns.start(chat, None if session_id is None else check_session_id(session_id)))
+            turns.start(chat, owner, None if session_id is None else check_session_id(session_id)))
         if not await _while_connected(request, started):
             metrics.cancelled.labels("queued").inc()
             return answered(request, Response(status_code=499))
@@ -154,23 +154,28 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     return api
 
 
-def _authorizer(key: str | None, login: bool) -> Callable[[Request], None]:
-    """A check of the request's ``Authorization: Bearer`` key; without a key configured,
-    a server with a login for its page refuses the API, which would bypass the login."""
-    expected = None if key is None else key.encode()
+def _authorizer(setting: str | None, login: bool) -> Callable[[Request], str]:
+    """A check of the request's ``Authorization: Bearer`` key, giving whose request it is
+    (the key's place in ``server.api_key``; "" without keys), so that each key's
+    conversations stay its own. Without a key configured, a server with a login for its
+    page refuses the API, which would bypass the login."""
+    expected = [key.encode() for key in api_keys(setting)]
 
-    def authorize(request: Request) -> None:
-        if expected is None:
+    def authorize(request: Request) -> str:
+        if not expected:
             if login:
                 raise APIError(401, "the API is off: this server has a login (server.username) but no "
                                     "API key; set server.api_key or H2O_CHAT_API_KEY",
                                code="invalid_api_key")
-            return
+            return ""
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        # Every key compared, in constant time each: the answer's timing tells no key's place.
+        matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                "with the key of server.api_key", code="invalid_api_key",
+                                "with a key of server.api_key", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+        return f"key {matches.index(True) + 1}"
 
     return authorize
 

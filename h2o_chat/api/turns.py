@@ -171,14 +171,14 @@ class TurnRunner:
         self.provider, self.config, self.metrics, self.store = provider, config, metrics, store
         self.queue = APIQueue(provider.admission, config.server.api_max_queued, metrics)
 
-    async def start(self, request: ChatRequest, session_id: str | None) -> Turn:
-        """Admit the request (429 when the queue is full) and start its turn."""
+    async def start(self, request: ChatRequest, owner: str, session_id: str | None) -> Turn:
+        """Admit ``owner``'s request (429 when the queue is full) and start its turn."""
         if self.provider.failure is not None:  # known now: refused before a streamed 200 goes out
             raise _unavailable(self.provider.failure)
         arrived = time.monotonic()
         ticket = await self.queue.enter()
         try:
-            conversation = self.store.checkout(request.history, session_id)
+            conversation = self.store.checkout(request.history, owner, session_id)
         except BaseException:
             self.queue.leave(ticket)
             raise
