@@ -1,6 +1,6 @@
 """The page's layout in the real app and Debian's chromium: at 400 px wide nothing is cut
-off and a short chat is a short page, on a phone the compare view's message row is in
-view, a tap shows what hovering shows, and at 1366 × 768 no chat icon covers the
+off and a short chat is a short page, on a phone each view's message or Continue row is
+in view, a tap shows what hovering shows, and at 1366 × 768 no chat icon covers the
 conversation and the edit box is wide enough to edit in."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
 from .browser_support import (
-    configure, messages, open_app, open_tab, send, settled_box, show_settings,
+    configure, messages, open_app, open_tab, send, set_number, settled_box, show_settings,
+    start_and_wait,
 )
 
 NARROW = {"width": 400, "height": 768}
@@ -160,22 +161,53 @@ def _in_window(page, selector: str, size: dict[str, int]) -> None:
     assert 0 <= box["y"] and box["y"] + box["height"] <= size["height"], (selector, box)
 
 
-def test_on_a_phone_the_compare_message_row_is_in_view_and_sends_to_both(browser, app_url):
-    # The message row came after the view's description and the two chats one above the
-    # other: Send was 590 px below the bottom of the window.
+def _chat(page) -> None:
+    # The conversation ends above the row, which so covers no reply's end (where it streams).
+    chat = settled_box(page, "#chatbot")
+    assert chat["y"] + chat["height"] <= settled_box(page, "#chat-send-row")["y"] + 1
+    send(page, "#chat-input", "#chat-send", "Name a fruit.")
+    assert [m.strip() for m in messages(page, "chatbot", "user")] == ["Name a fruit."]
+    assert messages(page, "chatbot", "bot")[0].strip()
+
+
+def _story(page) -> None:
+    beginning = "The storm reached the island at dusk."
+    page.fill("#story-text textarea", beginning)
+    set_number(page, "story-tokens", 8)
+    start_and_wait(page, "#story-continue")
+    story = page.locator("#story-text textarea").input_value()
+    assert story.startswith(beginning) and story[len(beginning):].strip(), story
+
+
+def _compare(page) -> None:
+    send(page, "#compare-input", "#compare-send", "Name a fruit.")
+    for chat in ("compare-bounded-chat", "compare-full-chat"):
+        assert [m.strip() for m in messages(page, chat, "user")] == ["Name a fruit."], chat
+        assert messages(page, chat, "bot")[0].strip(), chat
+
+
+# Each view's tab, what must be in view on a phone (what is typed into, what sends), and
+# a turn from there. When the view opened at 390 x 844, the chat's Send was 150 px below
+# the window, Continue 70, and compare's Send 590 (after its description and two chats).
+PHONE_VIEWS = {
+    "chat": ("Chat", ("#chat-input textarea", "#chat-send"), _chat),
+    "story": ("Story", ("#story-continue",), _story),
+    "compare": ("Compare", ("#compare-input textarea", "#compare-send"), _compare),
+}
+
+
+@pytest.mark.parametrize("view", PHONE_VIEWS)
+def test_on_a_phone_each_views_message_row_is_in_view_and_sends(browser, app_url, view):
+    tab, row, turn = PHONE_VIEWS[view]
     page = open_app(browser, app_url, has_touch=True, is_mobile=True, **PHONE)
     try:
-        open_tab(page, "Compare")
-        row = ("#compare-input textarea", "#compare-send")
+        open_tab(page, tab)
         for selector in row:
             _in_window(page, selector, PHONE)
         assert page.evaluate("() => document.documentElement.scrollWidth") <= PHONE["width"]
         configure(page, max_new_tokens=8)
         show_settings(page, False)
-        send(page, "#compare-input", "#compare-send", "Name a fruit.")
-        for chat in ("compare-bounded-chat", "compare-full-chat"):
-            assert [m.strip() for m in messages(page, chat, "user")] == ["Name a fruit."], chat
-            assert messages(page, chat, "bot")[0].strip(), chat
+        turn(page)
         for selector in row:  # still, once the settings opened and folded scrolled the page
             _in_window(page, selector, PHONE)
     finally:

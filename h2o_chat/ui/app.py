@@ -16,7 +16,7 @@ from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap, ended_either_way
 from .reload_notice import say_when_reloaded
 from .settings import Settings
-from .small_screens import TAP_SHOWS_TITLE, fold_when_narrow
+from .small_screens import TAP_SHOWS_TITLE, fit_screen_width
 from .story_tab import StoryTab
 from .view_state import ViewState, server_load
 
@@ -79,7 +79,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
 
         demo.unload(release)
         settings.fold_on_load(demo)
-        fold_when_narrow(demo)
+        fit_screen_width(demo)
         for script in (ESC_STOPS, TAP_SHOWS_TITLE):
             demo.load(None, js=script)
     return demo

@@ -99,9 +99,11 @@ class ChatTab:
                                           editable="user", elem_id="chatbot",
                                           placeholder="Ask anything. Replies stream token by token.")
                 self.ran_with = ran_with_line("chat")
-                with gr.Row(equal_height=True):
-                    # Its label is only read out (screen readers said "Textbox").
-                    self.text = gr.Textbox(placeholder="Type a message, Enter to send, Esc to stop",
+                with gr.Row(equal_height=True, elem_id="chat-send-row"):
+                    # Its label is only read out (screen readers said "Textbox"). Where the
+                    # window has room, small_screens adds the keys that send and stop to the
+                    # placeholder.
+                    self.text = gr.Textbox(placeholder="Type a message",
                                            label="Message", show_label=False, scale=5,
                                            elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")

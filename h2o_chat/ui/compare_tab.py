@@ -130,8 +130,10 @@ class CompareTab:
                                             elem_id="compare-full-chat")
         self.ran_with = ran_with_line("compare")
         with gr.Row(equal_height=True, elem_id="compare-send-row"):
-            # Its label is only read out (screen readers said "Textbox").
-            self.text = gr.Textbox(placeholder="A message for both, Enter to send, Esc to stop",
+            # Its label is only read out (screen readers said "Textbox"). Where the
+            # window has room, small_screens adds the keys that send and stop to the
+            # placeholder.
+            self.text = gr.Textbox(placeholder="A message for both",
                                    label="Message for both", show_label=False, scale=5,
                                    elem_id="compare-input")
             self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,

@@ -1,5 +1,6 @@
 """What narrow and touch screens need beyond page.css: the secondary panels start folded,
-and a tap shows what was only a hover tooltip (a token's hold count)."""
+the message boxes' placeholders leave out the keys, and a tap shows what was only a hover
+tooltip (a token's hold count)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,42 @@ import gradio as gr
 # tall.
 FOLDED_WHEN_NARROW = ("chat-pins", "chat-map", "story-pins", "story-map",
                       "compare-plots", "compare-fidelity", "compare-map")
+# The message boxes' placeholders get the keys that send and stop where the window is
+# wide enough: at 390 px the whole line wrapped to two, and the message row that stays at
+# the window's bottom grew by a line (and a phone has no Esc). Added to the short one on
+# wide screens rather than cut on narrow ones: the box drawn with the page keeps the
+# height of its first placeholder.
+KEYS_HINT = ", Enter to send, Esc to stop"
+MESSAGE_BOXES = ("chat-input", "compare-input")
 # page.css's breakpoint for narrow screens (its media query says the same).
 NARROW = "(max-width: 640px)"
 
 
-def fold_when_narrow(demo: gr.Blocks) -> None:
-    """On page load, fold the ``FOLDED_WHEN_NARROW`` accordions if the window is narrow.
-    Done as a prop update, not by clicking their headers in the page: tabs build their
-    panels only when first opened, and a header clicked while its tab is being built
-    ignores the click."""
-    folded = [block for block in demo.blocks.values()
-              if isinstance(block, gr.Accordion) and block.elem_id in FOLDED_WHEN_NARROW]
-    missing = set(FOLDED_WHEN_NARROW) - {block.elem_id for block in folded}
-    if missing:  # a panel renamed: say so, rather than leave it open on phones
-        raise ValueError(f"no accordion to fold on narrow screens with the ids {sorted(missing)}")
+def _blocks(demo: gr.Blocks, kind: type, elem_ids) -> list:
+    found = [block for block in demo.blocks.values()
+             if isinstance(block, kind) and block.elem_id in elem_ids]
+    missing = set(elem_ids) - {block.elem_id for block in found}
+    if missing:  # one renamed: say so, rather than leave it as it is on every screen
+        raise ValueError(f"no {kind.__name__} to fit to the screen with the ids {sorted(missing)}")
+    return found
+
+
+def fit_screen_width(demo: gr.Blocks) -> None:
+    """On page load, fold the ``FOLDED_WHEN_NARROW`` accordions if the window is narrow,
+    and add ``KEYS_HINT`` to the ``MESSAGE_BOXES``' placeholders if it is not. Done as
+    prop updates, not in the page: tabs build their panels only when first opened, and a
+    header clicked while its tab is being built ignores the click."""
+    folded = _blocks(demo, gr.Accordion, FOLDED_WHEN_NARROW)
+    boxes = _blocks(demo, gr.Textbox, MESSAGE_BOXES)
     narrow = gr.Checkbox(False, visible=False)
 
-    def fold(is_narrow: bool) -> list:
-        return [gr.Accordion(open=False) if is_narrow else gr.skip() for _ in folded]
+    def fit(is_narrow: bool) -> list:
+        if is_narrow:
+            return [gr.Accordion(open=False) for _ in folded] + [gr.skip() for _ in boxes]
+        return ([gr.skip() for _ in folded] +
+                [gr.Textbox(placeholder=box.placeholder + KEYS_HINT) for box in boxes])
 
-    demo.load(fold, narrow, folded, js=f"() => matchMedia({json.dumps(NARROW)}).matches",
+    demo.load(fit, narrow, folded + boxes, js=f"() => matchMedia({json.dumps(NARROW)}).matches",
               queue=False, show_progress="hidden")
 
 

@@ -75,7 +75,7 @@ class StoryTab:
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
                 self.tokens = gr.Slider(1, 1024, value=64, step=1,
                                         label="tokens per continue", elem_id="story-tokens")
-                with gr.Row():
+                with gr.Row(elem_id="story-continue-row"):
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
                     self.stop = stop_button("story")
                     self.new = gr.Button("New story", elem_id="story-new")
