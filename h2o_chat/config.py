@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import reprlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -207,7 +208,11 @@ _RULES: dict[str, _Rule] = {
     "model.dtype": _choice("auto", "float32", "bfloat16", "float16"),
     "model.device": _choice("cpu", "cuda", "auto"),
     "model.quantization": _choice("4bit", "8bit"),
-    "model.threads": _int_at_least(1),
+    "model.source": _Rule(lambda v: v.strip() != "", "must be a model folder, file or Hugging Face id, "
+                                                     "or null for the embedded model"),
+    # More threads than this starve the process (each has its own stack and buffers): 100
+    # million were accepted and the process died allocating them at load.
+    "model.threads": _int_between(1, 1024),
     "cache.policy": _choice(*POLICIES),
     "cache.heavy": _int_at_least(0),
     "cache.recent": _int_at_least(0),
@@ -226,7 +231,8 @@ _RULES: dict[str, _Rule] = {
     "generation.top_p": _Rule(lambda v: 0.0 < v <= 1.0, "must be a number > 0 and <= 1"),
     "generation.seed": _int_between(0, 2**63 - 1),  # torch's generators take no larger seed
     "server.port": _int_between(1, 65535),
-    "server.host": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
+    "server.host": _Rule(lambda v: re.fullmatch(r"[A-Za-z0-9.\-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*", v) is not None,
+                         "must be a host name or IP address such as 127.0.0.1, 0.0.0.0 or ::1"),
     "server.max_message_chars": _int_between(1, 10_000_000),
     "server.max_system_prompt_chars": _int_between(1, 10_000_000),
     "server.max_conversation_messages": _int_between(2, 10_000_000),
@@ -240,8 +246,11 @@ _RULES: dict[str, _Rule] = {
     "server.send_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
     "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
-    "server.api_key": _Rule(lambda v: all(k.strip() for k in v.split(",")) and len(api_keys(v)) == len(v.split(",")),
-                            "must be a key, or different keys separated by commas, none empty"),
+    # A request's header arrives as latin-1: a key outside printable ASCII never matched.
+    "server.api_key": _Rule(lambda v: all(k.strip() for k in v.split(",")) and len(api_keys(v)) == len(v.split(","))
+                            and re.fullmatch(r"[\x21-\x7e, ]+", v) is not None,
+                            "must be a key, or different keys separated by commas, none empty, "
+                            "of printable ASCII characters"),
     "server.api_max_conversations": _int_between(1, 1024),
     "server.api_max_queued": _int_between(0, 4096),
     "server.api_max_request_mb": _int_between(1, 1024),
@@ -340,6 +349,18 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else tp.__name__
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 80, 80
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a message quotes it, cut short: a config's value may be a YAML alias
+    bomb (a 447-byte file whose list repr runs to billions of items) or a huge number."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<a {len(str(value)) if value.bit_length() < 10_000 else 'many'}-digit number>"
+    return _SHOWN.repr(value)
+
+
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Return ``value`` if it matches the annotation ``hint`` (int -> float allowed)."""
     allowed = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
@@ -356,7 +377,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return value
     expected = " or ".join(_type_name(tp) for tp in allowed)
     rule = _RULES.get(name)
-    raise ConfigError(f"{name} = {value!r}: expected {expected}, got {_type_name(type(value))}"
+    raise ConfigError(f"{name} = {_shown(value)}: expected {expected}, got {_type_name(type(value))}"
                       + (f"; {rule.allowed}" if rule is not None else ""), field=name)
 
 
@@ -369,7 +390,7 @@ def check_field(name: str, value: Any) -> Any:
     rule = _RULES.get(name)
     if coerced is not None and rule is not None and not rule.check(coerced):
         optional = type(None) in get_args(hint)
-        raise ConfigError(f"{name} = {value!r}: {rule.allowed}" + (", or null" if optional else ""), field=name)
+        raise ConfigError(f"{name} = {_shown(value)}: {rule.allowed}" + (", or null" if optional else ""), field=name)
     return coerced
 
 
@@ -415,20 +436,54 @@ def validate(config: AppConfig) -> AppConfig:
     return _validate(config, {})
 
 
+# Far above any real config (the default file is 8 KB); read whole, so bounded.
+MAX_CONFIG_BYTES = 1_000_000
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: the later one
+    silently won, so a second ``cache:`` section put the first one's settings back to
+    their defaults."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice: keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
+    # Not opened unless a file: opening a FIFO waits for a writer, /dev/zero never ends.
+    if path.exists() and not path.is_file() and path != Path(os.devnull):
+        raise ConfigError(f"{path}: not a regular file: the config must be a YAML file")
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file: {err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: config file over {MAX_CONFIG_BYTES:,} bytes: not a config")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): save the config as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply to read") from None
+    except ValueError as err:  # a number too long to read
+        raise ConfigError(f"{path}: invalid YAML: {str(err)[:200]}") from None
     if data is None:  # empty file: all defaults
         return {}
     if not isinstance(data, dict):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -155,13 +158,13 @@ def test_bool_is_not_a_float(tmp_path):
         ("generation", "top_p", 1.01, "> 0 and <= 1"),
         ("generation", "seed", -1, "from 0 to 9223372036854775807, or null"),
         ("generation", "seed", 2**63, "from 0 to 9223372036854775807, or null"),
-        ("model", "threads", 0, ">= 1, or null"),
+        ("model", "threads", 0, "from 1 to 1024, or null"),
         ("model", "dtype", "float64", "auto, float32, bfloat16, float16"),
         ("model", "device", "tpu", "cpu, cuda, auto"),
         ("model", "quantization", "2bit", "4bit, 8bit, or null"),
         ("server", "port", 0, "from 1 to 65535"),
         ("server", "port", 65536, "from 1 to 65535"),
-        ("server", "host", "", "non-empty"),
+        ("server", "host", "", "a host name or IP address"),
         ("server", "max_message_chars", 0, "from 1 to 10000000"),
         ("server", "max_request_mb", 0, "from 1 to 1024"),
         ("server", "max_concurrent_generations", 0, "from 1 to 64"),
@@ -327,3 +330,62 @@ def test_turns_is_a_policy_of_the_config_and_needs_a_slot_to_evict():
     assert config.cache.policy == "turns"
     with pytest.raises(ConfigError, match=r"cache.heavy \+ cache.recent = 0: must be >= 1 when cache.policy is 'turns'"):
         load_config(None, {"cache": {"policy": "turns", "heavy": 0, "recent": 0}})
+
+
+def test_a_yaml_alias_bomb_is_refused_by_name_without_expanding_it(tmp_path):
+    """Under 500 bytes of nested aliases stand for billions of strings: quoting the value
+    in the refusal once expanded them all, and memory grew by a GB every 25 s."""
+    levels = ["&a0 [" + ",".join(["lol"] * 9) + "]"]
+    levels += [f"&a{n} [" + ",".join([f"*a{n - 1}"] * 9) + "]" for n in range(1, 10)]
+    path = write(tmp_path, "cache:\n  heavy: [" + ", ".join(levels) + "]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith("cache.heavy = [[") and len(str(info.value)) < 300
+
+
+@pytest.mark.parametrize("text, message", [
+    ("cache:\n  heavy: 10\n  heavy: 20\n", ":3:3: invalid YAML: 'heavy' is given twice: keep one"),
+    ("cache:\n  heavy: 10\nserver:\n  port: 7861\ncache:\n  recent: 5\n",
+     ":5:1: invalid YAML: 'cache' is given twice: keep one"),
+    ("cache:\n  heavy: " + "9" * 5000 + "\n", ": invalid YAML: Exceeds the limit (4300 digits)"),
+    ("cache: " + "[" * 100_000 + "]" * 100_000 + "\n", ": invalid YAML: nested too deeply to read"),
+])
+def test_config_files_that_cannot_be_read_as_given_are_refused_by_line(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(str(path)) and message in str(info.value)
+
+
+def test_config_paths_that_are_not_a_text_file_are_refused(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("generation:\n  system_prompt: caf\xe9\n".encode("latin-1"))
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opened, it would wait for a writer for ever
+    big = write(tmp_path, "# padding\n" * 200_000)
+    for path, message in [(latin1, "not UTF-8 text (byte 32): save the config as UTF-8"),
+                          (fifo, "not a regular file: the config must be a YAML file"),
+                          (Path("/dev/zero"), "not a regular file: the config must be a YAML file"),
+                          (big, "config file over 1,000,000 bytes: not a config")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
+            load_config(path)
+    assert load_config(Path(os.devnull)) == load_config(None)  # empty: the defaults
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("model.source", "", "must be a model folder, file or Hugging Face id, or null for the embedded model"),
+    ("model.threads", 100_000_000, "must be an integer from 1 to 1024"),
+    ("server.host", "a b", "must be a host name or IP address such as 127.0.0.1, 0.0.0.0 or ::1"),
+    ("server.host", " 127.0.0.1 ", "must be a host name or IP address"),
+    ("server.api_key", "é€ключ", "of printable ASCII characters"),
+])
+def test_start_up_settings_are_refused_by_name(name, value, message):
+    section, key = name.split(".")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {section: {key: value}})
+    assert str(info.value).startswith(f"{name} = {value!r}: ") and message in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "::", "localhost", "my-box.local"])
+def test_hosts_are_names_or_addresses(host):
+    assert load_config(None, {"server": {"host": host}}).server.host == host
