@@ -25,7 +25,7 @@ from h2o_chat.loading import EMBEDDED_GGUF, load_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Start the h2o-chat web app: chat, story and compare views.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="Start the h2o-chat web app: chat, story and compare views.")
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML config file (default: configs/default.yaml)")
     parser.add_argument("--host", help="address to listen on (default from the config: 127.0.0.1)")
@@ -68,9 +68,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {err}")
 
     from h2o_chat.admission import Admission
-    from h2o_chat.api.server import create_app, serve
+    from h2o_chat.api.server import create_app, listen, serve
     from h2o_chat.ui.app import build_app
     from h2o_chat.runtime import ModelProvider
+
+    try:
+        sock = listen(config.server)
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
 
     model_id = config.model.source or Path(EMBEDDED_GGUF).stem  # as API clients name it
     name = config.model.source or f"{model_id} (embedded)"
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(provider, model_id, config, build_app(provider, config))
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
     try:
-        serve(app, config.server)
+        serve(app, config.server, sock)
     except KeyboardInterrupt:  # Ctrl-C, once the server has shut down: an ordinary end
         pass
     # Whether uvicorn re-raised the Ctrl-C or returned after its own shutdown.

@@ -1,6 +1,11 @@
 """app.py's flags become config overrides; only the flags given override the file. A
 server others can reach with the page or the API unguarded says so when it starts."""
 
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import app
@@ -71,3 +76,23 @@ def test_the_app_says_at_start_that_others_can_use_it(tmp_path):
         pass
     assert (f"h2o-chat: warning: anyone who can reach this machine (server.host = 0.0.0.0) can use {PAGE_OPEN} "
             f"and {API_OPEN}\n") in log.read_text()
+
+
+def test_an_address_in_use_ends_the_start_with_one_line_naming_the_settings():
+    """Bound before the model loads: no page address printed for a server that never
+    listened, and no abort from a loader thread left inside torch at exit."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "app.py", "--port", str(port)], capture_output=True, text=True,
+                                timeout=300, cwd=Path(app.__file__).parent)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (f"error: server.host = '127.0.0.1', server.port = {port}: "
+                             "cannot listen there: Address already in use\n")
+
+
+def test_a_flag_is_taken_only_spelled_out():
+    """An abbreviation was taken for the flag it began: "--sha" turned on the public share link."""
+    with pytest.raises(SystemExit):
+        app.parse_args(["--sha"])

@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import logging
 import secrets
+import socket
 import threading
 import time
 from types import FrameType
@@ -18,7 +19,7 @@ from gradio.networking import setup_tunnel
 from gradio.routes import App as PageApp
 from starlette.routing import Mount
 
-from h2o_chat.config import AppConfig, ServerConfig
+from h2o_chat.config import AppConfig, ConfigError, ServerConfig
 from h2o_chat.engine.memory import return_freed_memory
 from h2o_chat.runtime import ModelProvider
 from h2o_chat.scheduler import stop_workers
@@ -47,18 +48,39 @@ def create_app(provider: ModelProvider, name: str, config: AppConfig, demo: gr.B
     return app
 
 
-def serve(app: FastAPI, server: ServerConfig) -> None:
-    """Serve ``app`` until interrupted; with ``server.share`` also through a public
-    Gradio share link."""
+def listen(server: ServerConfig) -> socket.socket:
+    """The socket the app serves on, bound now: before the model starts loading, so an
+    address in use or not this machine's ends the start with one line naming the
+    settings. Left to uvicorn, the bind failed after the page's address was printed, and
+    its exit, with the model's loader thread inside torch, aborted the process."""
+    where = f"server.host = {server.host!r}, server.port = {server.port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            server.host, server.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot listen there: {err.strerror or err}", field="server.host") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"{where}: cannot listen there: {err.strerror or err}", field="server.port") from None
+    return sock
+
+
+def serve(app: FastAPI, server: ServerConfig, sock: socket.socket) -> None:
+    """Serve ``app`` on ``sock`` (from ``listen``) until interrupted; with
+    ``server.share`` also through a public Gradio share link."""
     runner = _Server(uvicorn_config(app, server))
     logging.getLogger("uvicorn.error").addFilter(CancelledAtExit(runner))
     if server.share:
         threading.Thread(target=_share, args=(runner, server), name="share-link", daemon=True).start()
-    print(f"h2o-chat: page at http://{server.host}:{server.port}/, "
-          f"API at http://{server.host}:{server.port}/v1", flush=True)
+    host = f"[{server.host}]" if ":" in server.host else server.host  # an IPv6 address, as URLs write it
+    print(f"h2o-chat: page at http://{host}:{server.port}/, API at http://{host}:{server.port}/v1", flush=True)
     if warning := exposure_warning(server):
         print(warning, flush=True)
-    runner.run()
+    runner.run(sockets=[sock])
 
 
 def exposure_warning(server: ServerConfig) -> str | None:
