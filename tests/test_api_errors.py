@@ -3,6 +3,7 @@ error shape, the right status, and a message naming the field and what it may be
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -276,3 +277,20 @@ def test_a_conversation_past_the_models_context_gets_400_naming_rolling(smollm, 
                                          "replies fall apart: start a new conversation, or turn on rolling "
                                          "positions (cache.rolling), with which one goes on past it")
         assert read_metrics(url)["h2o_chat_api_conversations"] == 0
+
+
+def test_a_model_without_a_chat_template_is_the_servers_fault(smollm):
+    """Refused as the model's failing (503, before a stream starts), not as a 400 blaming
+    the messages with a hint for Python callers."""
+    model, tokenizer = smollm
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    with serving((model, plain), api_config()) as url:
+        for stream in (False, True):
+            response = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "stream": stream},
+                                  timeout=60)
+            assert response.status_code == 503
+            assert response.json()["error"] == {
+                "message": f"the model {MODEL_ID} has no chat template, which chat completions need: serve "
+                           "a chat (instruct) model, or write stories on the page",
+                "type": "unavailable_error", "param": None, "code": "model_unavailable"}

@@ -31,7 +31,7 @@ from .schema import ChatRequest, Message
 from .stops import StopMatcher
 
 if TYPE_CHECKING:
-    from h2o_chat.runtime import ModelProvider
+    from h2o_chat.runtime import LoadedModel, ModelProvider
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ class TurnRunner:
         """Admit ``owner``'s request (429 when the queue is full) and start its turn."""
         if self.provider.failure is not None:  # known now: refused before a streamed 200 goes out
             raise _unavailable(self.provider.failure)
+        if self.provider.ready:
+            _require_chat_template(self.provider.get())
         arrived = time.monotonic()
         ticket = await self.queue.enter()
         try:
@@ -194,6 +196,7 @@ class TurnRunner:
                 loaded = self.provider.get()
             except RuntimeError as err:  # loading failed while the turn waited: no turn can run
                 raise _unavailable(str(err)) from None
+            _require_chat_template(loaded)
             if conversation.session is None:
                 conversation.session = self._new_session(loaded.model, loaded.tokenizer, request.history)
             session = conversation.session
@@ -275,6 +278,14 @@ def h2o_report(session_id: str, stats: SessionStats) -> dict[str, Any]:
             "key_bits": cache.key_bits, "value_bits": cache.value_bits, "exact_window": cache.exact_window,
             "policy": cache.policy,
             "turn_starts": cache.turn_starts}
+
+
+def _require_chat_template(loaded: LoadedModel) -> None:
+    """A model without a chat template serves stories on the page, never a chat: the
+    server's fault (503), not the request's (it was a 400 naming the messages)."""
+    if loaded.tokenizer.chat_template is None:
+        raise _unavailable(f"the model {loaded.name} has no chat template, which chat completions need: "
+                           "serve a chat (instruct) model, or write stories on the page")
 
 
 def _unavailable(why: str) -> APIError:
