@@ -97,7 +97,8 @@ class ModelProvider:
             return None
         if isinstance(self._error, UnfitSettings):
             return str(self._error)
-        return f"the model failed to load: {self._error}"
+        # Named, since the libraries' own messages rarely say which model or setting.
+        return f"the model {self._name} (model.source) failed to load: {self._error}"
 
     @property
     def loaded_model(self) -> Any | None:

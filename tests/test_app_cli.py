@@ -96,3 +96,18 @@ def test_a_flag_is_taken_only_spelled_out():
     """An abbreviation was taken for the flag it began: "--sha" turned on the public share link."""
     with pytest.raises(SystemExit):
         app.parse_args(["--sha"])
+
+
+def test_a_model_that_fails_to_load_is_named_with_its_setting(tmp_path):
+    """The libraries' own messages rarely say which model failed ("Should have a
+    model_type key in its config.json" for an empty folder)."""
+    from h2o_chat.config import ModelConfig
+    from h2o_chat.loading import load_model
+    from h2o_chat.runtime import ModelProvider
+
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    provider = ModelProvider(lambda: load_model(ModelConfig(source=str(empty))), str(empty)).start()
+    with pytest.raises(RuntimeError):
+        provider.get()
+    assert provider.failure.startswith(f"the model {empty} (model.source) failed to load: ")
