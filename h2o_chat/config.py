@@ -440,10 +440,10 @@ def validate(config: AppConfig) -> AppConfig:
 MAX_CONFIG_BYTES = 1_000_000
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping: the later one
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the later one
     silently won, so a second ``cache:`` section put the first one's settings back to
-    their defaults."""
+    their defaults), and reading plain scalars as YAML 1.2 does (below)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
@@ -454,6 +454,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"{key!r} is given twice: keep one", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's booleans and numbers in place of YAML 1.1's, which PyYAML reads: there
+# "heavy: 1:30" was silently 90 (base 60), "share: yes" or "on" true, and "1e3" a string.
+_SCALARS = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in _SCALARS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_ConfigLoader.add_implicit_resolver(_SCALARS[0], re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_ConfigLoader.add_implicit_resolver(_SCALARS[1], re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(
+    _SCALARS[2], re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -474,7 +487,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): save the config as UTF-8") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_ConfigLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

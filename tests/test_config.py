@@ -389,3 +389,18 @@ def test_start_up_settings_are_refused_by_name(name, value, message):
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "::", "localhost", "my-box.local"])
 def test_hosts_are_names_or_addresses(host):
     assert load_config(None, {"server": {"host": host}}).server.host == host
+
+
+@pytest.mark.parametrize("text, message", [
+    ("cache:\n  heavy: 1:30\n", "cache.heavy = '1:30': expected int, got str"),  # YAML 1.1: 90, base 60
+    ("server:\n  share: yes\n", "server.share = 'yes': expected bool, got str"),  # YAML 1.1: true
+    ("model:\n  trust_remote_code: on\n", "model.trust_remote_code = 'on': expected bool, got str"),
+])
+def test_plain_values_read_as_yaml_1_2_reads_them(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(write(tmp_path, text))
+
+
+def test_numbers_with_exponents_are_numbers(tmp_path):
+    config = load_config(write(tmp_path, "cache:\n  budget_mb: 1e1\n"))
+    assert config.cache.budget_mb == 10.0
