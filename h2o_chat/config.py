@@ -245,7 +245,7 @@ _RULES: dict[str, _Rule] = {
     "server.max_connections": _int_between(8, 1_000_000),
     "server.send_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),
-    "server.password": _Rule(lambda v: v != "", "must be a non-empty string"),
+    "server.password": _Rule(lambda v: v.strip() != "", "must be a non-empty string, not only spaces"),
     # A request's header arrives as latin-1: a key outside printable ASCII never matched.
     "server.api_key": _Rule(lambda v: all(k.strip() for k in v.split(",")) and len(api_keys(v)) == len(v.split(","))
                             and re.fullmatch(r"[\x21-\x7e, ]+", v) is not None,
@@ -421,6 +421,10 @@ def _validate(config: AppConfig, origins: dict[str, str]) -> AppConfig:
     if cache.budget_mb is not None and cache.policy == "full":
         raise ConfigError("cache.budget_mb is set but cache.policy is 'full', which keeps every token: "
                           "choose h2o, sink or recent, or leave the budget out", field="cache.budget_mb")
+    if validated.model.gguf_file is not None and validated.model.source is None:
+        raise ConfigError("model.gguf_file is set but model.source is not: it names a file inside the "
+                          "folder or Hugging Face repo model.source names (the embedded model has its own)",
+                          field="model.gguf_file")
     server = validated.server
     _check_text_limits(server, validated.generation.system_prompt)
     if (server.username is None) != (server.password is None):

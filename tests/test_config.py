@@ -404,3 +404,9 @@ def test_plain_values_read_as_yaml_1_2_reads_them(tmp_path, text, message):
 def test_numbers_with_exponents_are_numbers(tmp_path):
     config = load_config(write(tmp_path, "cache:\n  budget_mb: 1e1\n"))
     assert config.cache.budget_mb == 10.0
+
+
+def test_a_gguf_file_without_its_source_is_refused():
+    """It was ignored, and the embedded model loaded."""
+    with pytest.raises(ConfigError, match="model.gguf_file is set but model.source is not"):
+        load_config(None, {"model": {"gguf_file": "model.Q4_K_M.gguf"}})
