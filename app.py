@@ -45,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="newest tokens also kept as the model gave them beside 8- or 4-bit slots (0: none)")
     parser.add_argument("--budget-mb", type=float,
                         help="cache budget per conversation in MB (replaces --heavy and --recent)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.budget_mb is not None and (args.heavy is not None or args.recent is not None):
+        # The budget decides both counts: the ones given would be dropped without a word.
+        parser.error("--budget-mb sets the heavy and recent slots itself: give it or --heavy/--recent, not both")
+    return args
 
 
 def overrides(args: argparse.Namespace) -> dict:

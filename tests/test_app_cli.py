@@ -111,3 +111,10 @@ def test_a_model_that_fails_to_load_is_named_with_its_setting(tmp_path):
     with pytest.raises(RuntimeError):
         provider.get()
     assert provider.failure.startswith(f"the model {empty} (model.source) failed to load: ")
+
+
+def test_a_byte_budget_with_slot_counts_is_refused(capsys):
+    """The budget sets both counts: the ones given were dropped without a word."""
+    with pytest.raises(SystemExit):
+        app.parse_args(["--budget-mb", "5", "--heavy", "10"])
+    assert "--budget-mb sets the heavy and recent slots itself" in capsys.readouterr().err
