@@ -150,3 +150,23 @@ def test_compare_shows_both_replies_and_the_full_cache_grows_larger(page):
     assert "turn 3" in page.inner_text("#compare-divergence")
     for plot in ("compare-memory-plot", "compare-slots-plot"):
         assert page.locator(f"#{plot} canvas, #{plot} svg").count() > 0
+
+
+def test_a_chat_loads_no_image_from_elsewhere(page):
+    """Markdown in a message is drawn (an image included), but the browser fetches an
+    image only from the page's own server: one from elsewhere could carry the
+    conversation out in its address."""
+    answered = []
+    page.on("response", lambda response: "probe.png" in response.url and answered.append(response.url))
+    blocked = page.evaluate_handle("""() => {
+      const blocked = [];
+      document.addEventListener('securitypolicyviolation', e => blocked.push(e.blockedURI));
+      return blocked;
+    }""")
+    configure(page, max_new_tokens=1)
+    send(page, "#chat-input", "#chat-send", "![a](http://127.0.0.2:9/elsewhere-probe.png) "
+                                            "![b](/here-probe.png)")
+    page.locator("#chatbot [data-testid=user] img").nth(1).wait_for(state="attached")
+    page.wait_for_function("() => [...document.querySelectorAll('#chatbot img')].every(img => img.complete)")
+    assert blocked.json_value() == ["http://127.0.0.2:9/elsewhere-probe.png"]
+    assert [url.rsplit("/", 1)[1] for url in answered] == ["here-probe.png"]  # its own server's 404

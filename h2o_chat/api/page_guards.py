@@ -149,9 +149,33 @@ def _logged_in(scope: Scope) -> bool:
     return False
 
 
+class ImagesFromHere:
+    """Tells the browser to load images only from the page's own server (and the data it
+    holds itself). A chat renders Markdown, and an image in a reply or an imported
+    conversation, "![](https://elsewhere/?what-the-chat-said)", was fetched from anywhere:
+    the usual way a prompt injection sends a conversation out."""
+
+    POLICY = (b"content-security-policy", b"img-src 'self' data: blob:")
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_policy(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.POLICY]}
+            await send(message)
+
+        await self.app(scope, receive, with_policy)
+
+
 def page_middleware(server: ServerConfig) -> list[Middleware]:
-    """What sits in front of the mounted page: the login gate, then the request-size
-    limits of ``server``."""
-    return [Middleware(LoginGate),
+    """What sits in front of the mounted page: the image policy, the login gate, then the
+    request-size limits of ``server``."""
+    return [Middleware(ImagesFromHere), Middleware(LoginGate),
             Middleware(RequestSizeLimit, max_upload_bytes=server.max_request_mb * 2**20,
                        max_json_bytes=server.api_max_request_mb * 2**20)]
