@@ -114,6 +114,7 @@ def test_a_file_of_another_type_is_refused_as_every_file_is(page, tmp_path):
     action before.)"""
     (tmp_path / "notes.txt").write_text("hello")
     open_files(page)
+    page.evaluate(_NOTE_TOASTS)
     page.click("#chat-save-session")
     status = page.locator("#chat-files-status")
     expect(status).to_have_text("Not saved: nothing to save yet: start a chat first")
@@ -140,6 +141,7 @@ def test_save_and_export_while_a_reply_streams_are_refused_as_every_file_is(page
         "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
         ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
     open_files(page)
+    page.evaluate(_NOTE_TOASTS)
     for button, outcome in (("#chat-save-session", "Not saved"), ("#chat-export-json", "Not exported")):
         page.click(button)
         expect(page.locator("#chat-files-status")).to_have_text(f"{outcome}: {STILL_STREAMING}")
@@ -149,14 +151,31 @@ def test_save_and_export_while_a_reply_streams_are_refused_as_every_file_is(page
     expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
 
 
+# Every toast the page shows, noted as it appears: a toast lives 10 s, and a machine busy
+# enough delayed the test's look past its end.
+_NOTE_TOASTS = """() => {
+  const shown = [];
+  new MutationObserver(records => records.forEach(r => r.addedNodes.forEach(node => {
+    if (!(node instanceof Element)) return;
+    for (const body of [node, ...node.querySelectorAll('.toast-body')])
+      if (body.classList.contains('toast-body'))
+        shown.push([['error', 'warning'].find(kind => body.classList.contains(kind)) || 'other', body.innerText]);
+  }))).observe(document.body, {childList: true, subtree: true});
+  window.__toastsShown = shown;
+}"""
+
+
 def _refusal_shown_once(page: Page, text: str) -> None:
-    """The warning that says ``text`` shows, and no error; then it goes by itself (10 s),
-    so that the next refusal's warning is a toast of its own (Gradio adds a warning shown
-    while another shows to that one, which closes both when its own time is up)."""
-    warning = page.locator(".toast-body.warning", has_text=text)
-    expect(warning).to_have_count(1)
-    expect(page.locator(".toast-body.error")).to_have_count(0)
-    expect(warning).to_have_count(0, timeout=60_000)
+    """The warning that says ``text`` showed, once, and no error; then it goes by itself
+    (10 s), so that the next refusal's warning is a toast of its own (Gradio adds a
+    warning shown while another shows to that one, which closes both when its own time is
+    up). Toasts are noted from the first call on, and taken by each call."""
+    page.wait_for_function("text => window.__toastsShown.some(([kind, said]) => kind === 'warning' && "
+                           "said.includes(text))", arg=text)
+    shown = page.evaluate("() => window.__toastsShown.splice(0)")
+    assert [kind for kind, said in shown if text in said] == ["warning"], shown
+    assert "error" not in [kind for kind, _ in shown], shown
+    expect(page.locator(".toast-body.warning", has_text=text)).to_have_count(0, timeout=60_000)
 
 
 def next_replies_are_the_same(first: Page, second: Page, text: str) -> None:

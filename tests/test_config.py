@@ -340,7 +340,8 @@ def test_a_yaml_alias_bomb_is_refused_by_name_without_expanding_it(tmp_path):
     path = write(tmp_path, "cache:\n  heavy: [" + ", ".join(levels) + "]\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value).startswith("cache.heavy = [[") and len(str(info.value)) < 300
+    refusal = str(info.value).split(" (in ")[0]  # less the file's path, as long as the clone's folder
+    assert refusal.startswith("cache.heavy = [[") and len(refusal) < 300
 
 
 @pytest.mark.parametrize("text, message", [
