@@ -21,6 +21,7 @@ from h2o_chat.ui.reload_notice import FRESH_LOGIN_COOKIE
 
 from .body_reads import ReadRefused, Receive, Scope, Send, is_upload, read_guarded
 
+
 async def _answer(send: Send, status: int, text: str, headers: tuple = ()) -> None:
     body = json.dumps({"detail": text}).encode()
     await send({"type": "http.response.start", "status": status,

@@ -60,6 +60,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     api.add_middleware(CORSMiddleware, allow_origins=allowed_origins(server),
                        allow_methods=["GET", "HEAD", "POST"], expose_headers=["X-Session-Id"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id"])
+
     def bodies_at_limit() -> JSONResponse:
         metrics.refused.labels("server_busy").inc()
         return APIError(503, f"the server is reading {server.max_body_memory_mb} MB of request bodies, "

@@ -52,7 +52,6 @@ class ChatSession(Session):
         self._template_text = ""  # the template text of self.tokens
         self._reply_start = ""  # the template text before the last reply
         self._history_spans: list[tuple[int, int]] = []  # each history message's content tokens
-        self._history_first = 0  # the first history message's index in self.messages
         if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
             self._template_text = tokenizer.apply_chat_template(self.messages, tokenize=False)
@@ -69,14 +68,14 @@ class ChatSession(Session):
                 if message["role"] == "user":
                     self.cache.mark_turn(start)
             self.tokens += new_tokens
-            self._history_first = len(self.messages)
             self.messages += history
 
     def pin_history(self, index: int) -> Pin:
         """Pin the content of message ``index`` of the ``history`` the chat started from:
         that message's own tokens, wherever else the same text occurs."""
-        require_text(self.messages[self._history_first + index]["content"])
-        return self.pin_span(*self._history_spans[index])
+        start, end = self._history_spans[index]
+        require_text(self.decode(self.tokens[start:end]))
+        return self.pin_span(start, end)
 
     @property
     def template_text(self) -> str:
