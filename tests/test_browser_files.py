@@ -47,7 +47,7 @@ def upload(page: Page, button: str, path) -> None:
     # the click as it does to draw the reply.
     with page.expect_file_chooser(timeout=DONE_TIMEOUT_MS) as chooser:
         page.click(button, timeout=DONE_TIMEOUT_MS)
-    chooser.value.set_files(str(path))
+    chooser.value.set_files(str(path), timeout=DONE_TIMEOUT_MS)
 
 
 def test_save_then_resume_in_another_browser_session(browser, app_url, tmp_path):
