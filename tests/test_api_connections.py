@@ -177,7 +177,7 @@ def test_bodies_being_read_hold_at_most_their_shared_limit(smollm):
     bytes are let go when the first one's client leaves."""
     with serving(smollm, api_config(api_max_request_mb=1, max_body_memory_mb=1)) as url:
         head, body = chat_request(padding=900_000)
-        small_head, small_body = chat_request(padding=200_000)
+        _, small_body = chat_request(padding=200_000)
         with socket.create_connection(address(url), timeout=30) as stalled:
             stalled.sendall(head + body[:900_000])  # and no more, for now: with the next, past 1 MB
             wait_for_metrics(url, lambda seen: seen["h2o_chat_request_body_bytes"] >= 900_000)

@@ -151,9 +151,8 @@ def quality_tables(records: list[dict], phase: str, sets=("wikitext2", "book", "
             rows.append([r["budget"], r["slots"], r["policy"], r["ppl"],
                          None if delta is None else f"{delta:+.1%}", f"{r['top1']:.1%}", r["kl"]])
         if rows:
-            blocks.append(f"**{s}** ({recs[0]['tokens'] if recs else 0} scored tokens per passage set row below)\n\n"
-                          if False else f"**{s}**\n\n" + md_table(
-                              ["budget", "slots", "policy", "ppl", "vs full", "top-1 agree", "KL(full‖policy)"], rows))
+            blocks.append(f"**{s}**\n\n" + md_table(
+                ["budget", "slots", "policy", "ppl", "vs full", "top-1 agree", "KL(full‖policy)"], rows))
     return "\n\n".join(blocks)
 
 

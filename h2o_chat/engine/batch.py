@@ -90,7 +90,6 @@ class StepBatch:
         self.capacity, self.pinned = np.full(rows, never, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         self.rolling, self.size = np.zeros(rows, dtype=bool), np.zeros(rows, dtype=np.int64)
         self.spans_end = np.zeros(rows, dtype=np.int64)  # where the last pinned span ends
-        self.padding = np.zeros(FIELDS, dtype=np.int64)
         for row, member in enumerate(self.members):
             if member is None:
                 continue
