@@ -1,6 +1,7 @@
-"""What narrow and touch screens need beyond page.css: the secondary panels start folded,
-the message boxes' placeholders leave out the keys, and a tap shows what was only a hover
-tooltip (a token's hold count)."""
+"""What narrow, short and touch screens need beyond page.css: the secondary panels start
+folded, the message boxes' placeholders leave out the keys, a tap shows what was only a
+hover tooltip (a token's hold count), and the row stuck to the window's bottom leaves the
+view's conversation or story in view above it."""
 
 from __future__ import annotations
 
@@ -73,4 +74,34 @@ TAP_SHOWS_TITLE = """() => {
     tip.style.top = `${below ? box.bottom + 4 : box.top - tip.offsetHeight - 4}px`;
   });
   document.addEventListener("scroll", () => { tip.hidden = true; }, true);
+}"""
+
+
+# Runs once in the page: where a view's message or Continue row sticks to the window's
+# bottom (page.css), the box it would cover is scrolled into view above it when the user
+# turns to that view (its tab, or a tap on its box, message box or buttons). A page that
+# does not fit the window scrolls its content under the row: at 320 x 568 the chat sat
+# behind it whole, its reply streaming out of sight, and at 390 x 400 the story's text
+# opened below the Continue row. Its top stays in the window, so a long story is shown
+# from where it starts rather than scrolled past a tap.
+REVEAL_ABOVE_ROW = """() => {
+  const views = [["#chat-send-row", "#chatbot"], ["#story-continue-row", "#story-text"],
+                 ["#compare-send-row", "#compare-full-chat"]];
+  const reveal = () => {
+    for (const [rowId, boxId] of views) {
+      const row = document.querySelector(rowId), box = document.querySelector(boxId);
+      if (!row?.checkVisibility() || !box?.checkVisibility()
+          || getComputedStyle(row).position !== "sticky") continue;
+      const { top, bottom } = box.getBoundingClientRect();
+      const covered = bottom - (innerHeight - row.offsetHeight);
+      if (covered > 0) scrollBy(0, Math.min(covered, top));
+    }
+  };
+  document.addEventListener("focusin", (event) => {
+    if (event.target.closest(views.flat().join())) reveal();
+  });
+  // A tab draws its view in the frame after the click (on its first opening, too).
+  document.addEventListener("click", (event) => {
+    if (event.target.closest("[role=tab]")) requestAnimationFrame(() => requestAnimationFrame(reveal));
+  });
 }"""
