@@ -214,6 +214,62 @@ def test_on_a_phone_each_views_message_row_is_in_view_and_sends(browser, app_url
         page.context.close()
 
 
+# A small phone, a short window and a phone held sideways (the two-column layout).
+SMALL_PHONE = {"width": 320, "height": 568}
+SHORT_PHONES = {"390x400": {"width": 390, "height": 400}, "844x390": {"width": 844, "height": 390}}
+
+# The last line of the chat's latest reply, and the part of the conversation shown (the
+# box it scrolls in), in the window's coordinates.
+LAST_LINE = """chat => {
+  const replies = chat.querySelectorAll('[data-testid=bot]');
+  const range = document.createRange();
+  range.selectNodeContents(replies[replies.length - 1]);
+  const lines = [...range.getClientRects()].filter(r => r.height);
+  const shown = chat.querySelector('.bubble-wrap').getBoundingClientRect();
+  return {top: lines.at(-1).top, bottom: lines.at(-1).bottom,
+          shownTop: shown.top, shownBottom: shown.bottom};
+}"""
+
+
+def test_on_a_small_phone_a_long_reply_ends_above_the_message_row(browser, app_url):
+    # At 320 x 568 "pin this message" and Send wrapped to a line each, and the row, 185 px
+    # tall, stuck over the conversation: a reply's last lines streamed behind it.
+    page = open_app(browser, app_url, has_touch=True, is_mobile=True, **SMALL_PHONE)
+    try:
+        configure(page, max_new_tokens=60)
+        show_settings(page, False)
+        page.evaluate("() => scrollTo(0, 0)")  # as the page opens: the row covers the chat
+        send(page, "#chat-input", "#chat-send", "Describe the sea in a long paragraph.")
+        row = settled_box(page, "#chat-send-row")
+        line = page.locator("#chatbot").evaluate(LAST_LINE)
+        assert line["shownTop"] - 1 <= line["top"], line  # scrolled to the reply's end
+        assert line["bottom"] <= min(line["shownBottom"], row["y"]) + 1, (line, row)
+        for selector in ("#chat-input textarea", "#chat-send"):
+            _in_window(page, selector, SMALL_PHONE)
+        assert settled_box(page, "#chat-send")["y"] == settled_box(page, "#chat-pin-message")["y"]
+        send(page, "#chat-input", "#chat-send", "Thanks.")
+        assert len(messages(page, "chatbot", "bot")) == 2
+    finally:
+        page.context.close()
+
+
+@pytest.mark.parametrize("size", SHORT_PHONES.values(), ids=SHORT_PHONES)
+def test_on_a_short_phone_the_story_opens_above_its_continue_row(browser, app_url, size):
+    # At 390 x 400 the story's text opened below the window, behind the stuck Continue
+    # row once scrolled to; sideways, the row did not stick and was 400 px below.
+    page = open_app(browser, app_url, has_touch=True, is_mobile=True, **size)
+    try:
+        open_tab(page, "Story")
+        story = settled_box(page, "#story-text")
+        assert 0 <= story["y"], story
+        assert story["y"] + story["height"] <= settled_box(page, "#story-continue-row")["y"] + 1
+        _in_window(page, "#story-continue", size)
+        _story(page)
+        _in_window(page, "#story-continue", size)
+    finally:
+        page.context.close()
+
+
 def test_a_tap_on_a_token_shows_its_count(browser, app_url):
     page = open_app(browser, app_url, has_touch=True, is_mobile=True, **NARROW)
     try:
