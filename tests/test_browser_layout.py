@@ -1,7 +1,8 @@
 """The page's layout in the real app and Debian's chromium: at 400 px wide nothing is cut
 off and a short chat is a short page, on a phone each view's message or Continue row is
-in view, a tap shows what hovering shows, and at 1366 × 768 no chat icon covers the
-conversation and the edit box is wide enough to edit in."""
+in view (on a small, short or sideways one, below the reply's end and the story), a tap
+shows what hovering shows, and at 1366 × 768 no chat icon covers the conversation and
+the edit box is wide enough to edit in."""
 
 from __future__ import annotations
 
