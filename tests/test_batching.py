@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from h2o_chat import ChatSession, make_cache
+from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_pieces
 
@@ -414,7 +414,7 @@ def test_a_turn_stopped_before_it_began_feeds_nothing(smollm):
     stop = threading.Event()
     stop.set()
     assert "".join(session.send(PASTE, stop=stop, **GREEDY)) == ""
-    assert (session.fed, session.stats().cache.seen, session.finish_reason) == (0, 0, "stopped")
+    assert (session.fed, session.stats().cache.seen, session.finish_reason) == (0, 0, None)
     assert "".join(session.send("Say hello.", **GREEDY)).strip()
     assert_consistent(session)
 
@@ -422,19 +422,55 @@ def test_a_turn_stopped_before_it_began_feeds_nothing(smollm):
 def test_a_prefill_stopped_between_two_pieces_keeps_what_it_fed_and_continues(smollm):
     """A stop set while a prompt chunk is read ends the turn after the piece under way,
     not after the chunk: the cache holds that piece, evicted to its budget, the session
-    counts it as fed, and continuing reads the rest."""
+    counts it as fed, and continuing reads the rest. (A story: a chat takes back a turn
+    stopped before its reply's first token.)"""
     model, tokenizer = smollm
     scheduler = BatchScheduler(model)
-    session = ChatSession(model, tokenizer, cache=h2o(model, 24, 24), runner=scheduler, prefill_chunk_size=256)
+    story = StorySession(model, tokenizer, cache=h2o(model, 24, 24), runner=scheduler, prefill_chunk_size=256)
     stop = threading.Event()
     hook = model.register_forward_hook(lambda *_: stop.set())  # during the first piece
     try:
-        assert "".join(session.send(PASTE, stop=stop, **GREEDY)) == ""
+        assert "".join(story.send(PASTE, stop=stop, **GREEDY)) == ""
     finally:
         hook.remove()
-    assert session.finish_reason == "stopped"
-    assert session.fed == session.stats().cache.seen == scheduler.prefill_piece < 256
-    assert_at_rest_within_budget(session)
-    assert "".join(session.continue_reply(**GREEDY)).strip()
-    assert session.fed > 256
+    assert story.finish_reason == "stopped"
+    assert story.fed == story.stats().cache.seen == scheduler.prefill_piece < 256
+    assert_at_rest_within_budget(story)
+    assert "".join(story.send(**GREEDY)).strip()
+    assert story.fed > 256
+    assert_consistent(story)
+
+
+@pytest.mark.parametrize("stopped_in", ["the queue", "the prefill"])
+def test_a_chat_turn_stopped_before_its_reply_began_is_taken_back(smollm, stopped_in):
+    """Stopped before its reply's first token, waiting or while its message is read, a
+    turn leaves the conversation as it was: no empty assistant turn, which the model
+    would read as the way to answer (after one, every later reply came out empty). The
+    next message is answered as if the stopped one had never been sent: the same tokens
+    and reply as a chat that never saw it."""
+    model, tokenizer = smollm
+    scheduler = BatchScheduler(model)
+
+    def chat() -> ChatSession:
+        return ChatSession(model, tokenizer, cache=h2o(model, 24, 24), runner=scheduler, prefill_chunk_size=256)
+
+    session, never = chat(), chat()
+    for each in (session, never):
+        "".join(each.send("Name a colour.", **GREEDY))
+    stop = threading.Event()
+    hook = None
+    if stopped_in == "the queue":
+        stop.set()
+    else:
+        hook = model.register_forward_hook(lambda *_: stop.set())  # during the message's first piece
+    try:
+        assert "".join(session.send(PASTE, pin=True, stop=stop, **GREEDY)) == ""
+    finally:
+        if hook is not None:
+            hook.remove()
+    assert session.messages == never.messages and session.tokens == never.tokens
+    assert session.finish_reason == never.finish_reason == "end" and session.pins() == never.pins()
+    reply = "".join(session.send("Name a fruit.", **GREEDY))
+    assert reply == "".join(never.send("Name a fruit.", **GREEDY)) and reply.strip()
+    assert session.tokens == never.tokens and session.messages == never.messages
     assert_consistent(session)

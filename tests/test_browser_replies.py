@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from playwright.sync_api import expect
 
 from h2o_chat import ChatSession
@@ -116,3 +117,34 @@ def test_a_stopped_story_continues(page):
     start_and_wait(page, "#story-continue")
     continued = page.input_value("#story-text textarea")
     assert continued.startswith(stopped) and len(continued) > len(stopped)
+
+
+# About 3,300 tokens: read on both sides, seconds of prefill on a small CPU, so the Stop
+# that follows the click lands before either side's first token.
+PASTE = " ".join(f"Line {i}: the keeper of the lighthouse counted {i * 7} ships tonight." for i in range(300))
+
+
+VIEWS = {"Chat": ("chat", ["chatbot"]), "Compare": ("compare", ["compare-bounded-chat", "compare-full-chat"])}
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_a_turn_stopped_before_the_first_token_gives_the_message_back(page, view):
+    """A turn stopped while its message is read is taken back (both sides, in compare):
+    the chats as before, the message back in its box to send again or edit. The next
+    message gets whole replies: kept, the empty assistant turn taught the model to answer
+    with nothing (in compare every later reply came out empty, on both sides)."""
+    prefix, chats = VIEWS[view]
+    open_tab(page, view)
+    configure(page, max_new_tokens=12)
+    page.fill(f"#{prefix}-input textarea", PASTE)
+    page.click(f"#{prefix}-send")
+    page.click(f"#{prefix}-stop")
+    expect(page.locator(f"#{prefix}-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    expect(page.locator(f"#{prefix}-input textarea")).to_have_value(PASTE)
+    for chat in chats:
+        assert messages(page, chat, "user") == messages(page, chat, "bot") == []
+    send(page, f"#{prefix}-input", f"#{prefix}-send", "Name three fruits.")
+    for chat in chats:
+        assert messages(page, chat, "user") == ["Name three fruits."]
+        [reply] = messages(page, chat, "bot")
+        assert len(reply.strip()) > 4, reply

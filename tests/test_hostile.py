@@ -461,24 +461,18 @@ def test_stop_during_a_long_prefill_ends_it_within_one_chunk(smollm, files, refe
             threading.Thread(target=session.stop).start()  # as the Stop button does, from its own thread
 
     session.observer = press_stop_after_two_chunks
+    messages, tokens = list(session.messages), list(session.tokens)
     reply = "".join(session.send(text, **GREEDY))
     session.observer = None
     assert reply == "" and fed_at_stop
-    # The chunk under way when Stop came may finish; no other starts.
-    assert len(fed_after_stop) <= 1 and session.fed <= fed_at_stop[0] + chunk
-    assert len(session.tokens) - session.fed > 2 * chunk  # most of the message is left unfed
-    assert_consistent_after_stop(session)
-    # The message stays in the history (read on the next send); the session goes on.
-    assert session.messages[-2] == {"role": "user", "content": text} and session.messages[-1]["content"] == ""
+    assert len(fed_after_stop) <= 1  # the chunk under way when Stop came may finish; no other starts
+    # Stopped before its reply's first token, the turn is taken back: the conversation
+    # as before the message. The cache, which had read some of it, is emptied and reads
+    # the conversation again with the next message; the session goes on.
+    assert session.messages == messages and session.tokens == tokens
+    assert session.fed == session.stats().cache.seen == 0
     assert "".join(session.send("Thanks.", temperature=0, max_new_tokens=4)).strip()
     assert_consistent(session)
-
-
-def assert_consistent_after_stop(session):
-    stats = session.stats()
-    assert stats.cache.seen == session.fed < len(session.tokens)
-    rendered = session.tokenizer.apply_chat_template(session.messages, tokenize=False)
-    assert rendered.startswith(session.tokenizer.decode(session.tokens))
 
 
 # ---- memory: refusing a file costs at most a constant plus 3x its size -------------------

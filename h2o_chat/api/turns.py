@@ -204,9 +204,10 @@ class TurnRunner:
             finish = self._generate(turn, session, request)
             after = session.stats()
             self._count(before, after)
-            if turn.cancelled.is_set() and session.finish_reason == "stopped":
+            if turn.cancelled.is_set() and (session.finish_reason == "stopped" or not after.generated):
                 # Nobody reads the reply, and a client coming back sends a history this
-                # conversation no longer holds (it ends with a cut reply): let it go now.
+                # conversation no longer holds (it ends with a cut reply, or the session
+                # took back a turn stopped before its first token): let it go now.
                 self.metrics.cancelled.labels("decode" if after.generated else "prefill").inc()
                 self.store.checkin(conversation, None)
                 return
@@ -262,8 +263,10 @@ class TurnRunner:
     def _count(self, before: SessionStats, after: SessionStats) -> None:
         metrics = self.metrics
         metrics.generated_tokens.inc(after.generated)
-        # What was fed of the prompt: all of it, unless the turn stopped during its prefill.
-        metrics.prefill_tokens.inc(min(after.fed, after.tokens - after.generated) - before.fed)
+        # What was fed of the prompt: all of it, unless the turn stopped during its prefill
+        # (none, when a session took back a turn whose prompt it had begun to read, and
+        # emptied its cache to read the conversation again on the next turn).
+        metrics.prefill_tokens.inc(max(0, min(after.fed, after.tokens - after.generated) - before.fed))
         metrics.cached_tokens.inc(before.fed)
         evicted = [s.cache.seen - s.cache.held for s in (before, after)]
         metrics.evicted_tokens.inc(max(0, evicted[1] - evicted[0]))

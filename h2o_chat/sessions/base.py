@@ -313,24 +313,33 @@ class Session:
         finally:
             self.tokens += rest
 
-    def _take_back(self, length: int) -> None:
-        """Forget every token from ``length`` on, from the history and the cache."""
+    def _take_back(self, length: int, reread_now: bool = True) -> None:
+        """Forget every token from ``length`` on, from the history and the cache. A cache
+        that saw some of them is refilled with the tokens before: now, or, without
+        ``reread_now``, on the next turn (they stay unfed)."""
         for span in set(self.cache.spans.ranges) - set(self._fixed_pins):
             if span[1] > length:  # a pin on the tokens taken back (pinned as sent)
                 self.cache.unprotect(*span)
         self.cache.forget_turns_from(length)
         if self.fed > length:
-            self._rebuild_cache(length)
+            if reread_now:
+                self._rebuild_cache(length)
+            else:
+                self.cache.reset()
+                self.fed = 0
         del self.tokens[length:]
 
     def _generate(self, new_tokens: list[int], sampling: Sampling, pin: tuple[int, int] | None = None,
-                  extend: bool = False, stop: threading.Event | None = None) -> Iterator[str]:
+                  extend: bool = False, stop: threading.Event | None = None,
+                  reply_required: bool = False) -> Iterator[str]:
         """Append ``new_tokens`` (pinning ``new_tokens[pin[0]:pin[1]]`` if given), then
         stream the decoded text of up to ``sampling.max_new_tokens`` generated tokens,
         collected in ``self.reply`` (including a final end-of-turn token); ``extend`` adds
         them to the last reply instead of starting a new one. ``stop`` is the turn's stop
-        event (``stop()`` sets it too); without one the turn gets a fresh one. Callers
-        hold ``self._turn_lock``."""
+        event (``stop()`` sets it too); without one the turn gets a fresh one. A turn
+        that comes to nothing (it failed, or, with ``reply_required``, was stopped
+        before its first token) is taken back: ``new_tokens`` are forgotten, as if the
+        call never was. Callers hold ``self._turn_lock``."""
         # A Stop of the last turn must not cut this one short; the caller's may, even one
         # set before the turn began (a client gone while its request waited).
         self._stop = stop if stop is not None else threading.Event()
@@ -351,12 +360,24 @@ class Session:
             yield from self._decode_loop(sampling)
         except BaseException as err:
             if len(self.reply) == self._reply_kept:
-                # Nothing came of the new tokens: forget them, as if the call never was.
-                self._take_back(length)
-                (self.reply, self.finish_reason), self._reply_kept = before, 0
+                self._forget_turn(length, before)
             elif not isinstance(err, GeneratorExit):
                 self.finish_reason = "failed"
             raise
+        if reply_required and not self.reply:
+            # Kept, a chat's stopped turn would leave an empty assistant turn in the
+            # conversation, and the model reads it as the way to answer: in the compare
+            # view every later reply came out empty. The cache re-reads what it saw of
+            # the message's turn on the next one, so that the Stop ends the turn now.
+            self._forget_turn(length, before, reread_now=False)
+
+    def _forget_turn(self, length: int, before: tuple[list[int], FinishReason | None],
+                     reread_now: bool = True) -> None:
+        """Take back a turn that generated nothing: its tokens from ``length`` on, and
+        the last reply and its finish reason back to ``before`` it."""
+        self._take_back(length, reread_now)
+        self.reply, self.finish_reason = before
+        self._reply_kept = len(self.reply)  # this turn generated nothing
 
     def _decode_loop(self, sampling: Sampling) -> Iterator[str]:
         generated = self.reply

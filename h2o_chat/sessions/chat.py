@@ -92,7 +92,9 @@ class ChatSession(Session):
              **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
         pins the message's tokens (its content, not the template around it); ``stop``,
-        once set, ends the turn (set before it begins, nothing is fed)."""
+        once set, ends the turn (set before it begins, nothing is fed). A turn stopped
+        (or failed) before the reply's first token is taken back: the conversation is
+        as it was before the message."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
         sampling = Sampling(**sampling)
@@ -126,16 +128,15 @@ class ChatSession(Session):
             # A turn begins with the user's words; the template before them ends the last.
             self.cache.mark_turn(start + contents[-1][0])
             try:
-                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop)
-            except BaseException:
+                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop,
+                                          reply_required=True)
+            finally:
                 if len(self.tokens) == start:
-                    # Failed before the first token and _generate took the tokens back:
-                    # the turn never happened.
+                    # Failed or stopped before the first token, and _generate took the
+                    # tokens back: the turn never happened.
                     self.messages, self._template_text, self._reply_start = before
-                    raise
-                self._record_reply()
-                raise
-            self._record_reply()
+                else:
+                    self._record_reply()
 
     def _continue(self, sampling: Sampling, stop: threading.Event | None = None) -> Iterator[str]:
         with self._turn_lock:

@@ -20,7 +20,7 @@ from .refusals import Refusal, refusing
 from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import in_slot, stream_turn
+from .streaming import in_slot, message_back, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
 )
@@ -253,6 +253,8 @@ class ChatTab:
         yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False,
                self.ran_with: ran_with(sampling, state.cache)}
         yield from self._stream(values, state, stream, sampling, shown)
+        if not state.closed and len(state.shown()) < len(shown):  # the session took it back
+            yield message_back(self.text, text) | {self.pin_message: values[self.pin_message]}
 
     def _stream(self, values: dict, state: ChatState, stream: Iterator[str], sampling: dict,
                 shown: list[dict[str, str]], so_far: str = "") -> Iterator[dict]:

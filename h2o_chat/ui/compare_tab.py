@@ -27,7 +27,7 @@ from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot, reply_failed
+from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot, message_back, reply_failed
 from .view_state import (
     Snapshot, ViewState, admit, browser_state, close_state, generating, not_streaming, wait_for_model,
 )
@@ -66,20 +66,31 @@ class CompareState(ViewState):
                  limits: InputLimits | None = None) -> None:
         super().__init__(loaded)
         self.cache = cache  # the bounded side's
-        model, tokenizer = loaded.model, loaded.tokenizer
-
-        def session(kv_cache) -> ChatSession:
-            return chat_session(model, tokenizer, cache, system_prompt=system_prompt, limits=limits,
-                                cache=kv_cache)
-
-        self.sides = {BOUNDED: session(new_cache(model, cache)),
-                      FULL: session(make_cache(model, "full"))}
+        self.system_prompt, self.limits = system_prompt, limits
+        self.sides = {side: self._new_session(side, []) for side in (BOUNDED, FULL)}
         self.labels = {BOUNDED: bounded_label(cache), FULL: FULL_LABEL}
         self.series = TurnSeries()
         self.turns = 0
         self.divergences: list[str] = []  # one line per turn
         self.probe: FidelityProbe | None = None  # the fidelity gauge's shadow, while on
         self.fidelity_step: int | None = None  # the position picked in the gauge
+
+    def _new_session(self, side: str, history: list[dict[str, str]]) -> ChatSession:
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        kv_cache = new_cache(model, self.cache) if side == BOUNDED else make_cache(model, "full")
+        return chat_session(model, tokenizer, self.cache, system_prompt=self.system_prompt,
+                            history=history, limits=self.limits, cache=kv_cache)
+
+    def rebuild(self, side: str, history: list[dict[str, str]]) -> None:
+        """Take ``side`` back to ``history``: a fresh cache, fed on the next send, as the
+        chat's undo does (an evicting cache cannot un-see a turn)."""
+        probed = side == BOUNDED and self.probe is not None  # the shadow of the old session
+        if probed:
+            self.use_probe(False)
+        self.sides[side] = self._new_session(side, history)
+        if probed:
+            self.use_probe(True)
+        self.forget_snapshot()
 
     def use_probe(self, on: bool) -> None:
         """Turn the fidelity gauge's shadow on or off; call it between turns. Turned on
@@ -219,6 +230,17 @@ class CompareTab:
                    self.bounded_title: _title(state.labels[BOUNDED]),
                    self.ran_with: ran_with(sampling, state.cache)}
             yield from self._stream(values, state, streams, sampling, shown, dict.fromkeys(streams, ""))
+            if state.closed:
+                return
+            taken_back = [side for side in state.sides if len(state.shown(side)) < len(shown[side])]
+            if taken_back:
+                # A Stop before a side's first token took its turn back; one that came
+                # between the sides' first tokens, not the other's: the two stay in step.
+                for side in state.sides.keys() - taken_back:
+                    state.rebuild(side, shown[side][:-1])
+                state.turns -= 1
+                yield ({self.bounded_chat: state.shown(BOUNDED), self.full_chat: state.shown(FULL)}
+                       | message_back(self.text, text))
 
     def on_continue(self, values: dict) -> Iterator[dict]:
         """Both sides' replies go on where they were cut short (a side whose reply ended

@@ -96,6 +96,14 @@ class Interleaved:
         return next(self._streams[key], None)
 
 
+def message_back(box: gr.Textbox, text: str) -> dict:
+    """The update after a turn its session took back (stopped before the reply's first
+    token): the message back in ``box``, to send again or edit, and a note saying so."""
+    gr.Info("Stopped before the reply began: the message is back in its box, and the "
+            "conversation is as it was before it.")
+    return {box: text}
+
+
 def reply_failed(err: Exception) -> gr.Error:
     """What the page shows of a failure inside a turn, once the final views are out."""
     return gr.Error(f"The reply failed: {type(err).__name__}: {err}. The conversation keeps what was "
