@@ -119,6 +119,31 @@ def test_a_stopped_story_continues(page):
     assert continued.startswith(stopped) and len(continued) > len(stopped)
 
 
+def test_the_story_box_is_read_only_while_a_continuation_streams(page):
+    """Each streamed update rewrote the story box from the text the turn began with, so
+    what the user typed there meanwhile was lost without a word: the box is read-only
+    while Stop shows, and editable again once Continue is back."""
+    open_tab(page, "Story")
+    set_number(page, "story-tokens", 300)
+    box = page.locator("#story-text textarea")
+    box.fill("The storm reached the island at dusk.")
+    page.click("#story-continue")
+    expect(page.locator("#story-stop")).to_be_visible()
+    expect(box).to_have_js_property("readOnly", True)
+    box.click()
+    page.keyboard.press("End")
+    page.keyboard.type(" TYPED")
+    page.click("#story-stop")
+    expect(page.locator("#story-continue")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    expect(box).to_have_js_property("readOnly", False)
+    story = box.input_value()
+    assert "TYPED" not in story
+    box.click()
+    page.keyboard.press("Control+End")
+    page.keyboard.type(" Then")
+    assert box.input_value() == story + " Then"
+
+
 # About 3,300 tokens: read on both sides, seconds of prefill on a small CPU, so the Stop
 # that follows the click lands before either side's first token.
 PASTE = " ".join(f"Line {i}: the keeper of the lighthouse counted {i * 7} ships tonight." for i in range(300))

@@ -17,7 +17,7 @@ from .controls import ESC_STOPS, SendStopSwap, ended_either_way
 from .reload_notice import say_when_reloaded
 from .settings import Settings
 from .small_screens import REVEAL_ABOVE_ROW, TAP_SHOWS_TITLE, fit_screen_width
-from .story_tab import StoryTab
+from .story_tab import STORY_READ_ONLY_WHILE_STREAMING, StoryTab
 from .view_state import ViewState, server_load
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine waits for.
@@ -80,7 +80,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         demo.unload(release)
         settings.fold_on_load(demo)
         fit_screen_width(demo)
-        for script in (ESC_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW):
+        for script in (ESC_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW, STORY_READ_ONLY_WHILE_STREAMING):
             demo.load(None, js=script)
     return demo
 

@@ -27,6 +27,19 @@ from .view_state import (
 
 GAUGE_LABEL = "Story cache"
 
+# Runs once in the page: while a continuation streams into the story box (its Stop
+# shown), the box is read-only. Each streamed update rewrites the box from the text the
+# turn began with, so what the user typed there meanwhile was lost without a word.
+STORY_READ_ONLY_WHILE_STREAMING = """() => {
+  const sync = () => {
+    const box = document.querySelector("#story-text textarea");
+    const streaming = document.querySelector("#story-stop")?.offsetParent != null;
+    if (box && box.readOnly !== streaming) box.readOnly = streaming;
+  };
+  new MutationObserver(sync).observe(document.body, {childList: true, subtree: true, attributes: true,
+                                                     attributeFilter: ["class", "style"]});
+}"""
+
 
 def bible_prefix(bible: str) -> str:
     """The text before the story: the bible, set off from the story by a blank line."""
