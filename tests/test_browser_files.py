@@ -124,11 +124,14 @@ def test_a_file_of_another_type_is_refused_as_every_file_is(page, tmp_path):
         upload(page, button, tmp_path / "notes.txt")
         expect(status).to_have_text(f"Not loaded: {refused}")
         _refusal_shown_once(page, refused)
+    # Its name shown as written: Markdown in it came out bold, with a link.
+    marked = "my _notes_ [v2](x) #1.txt"
+    (tmp_path / marked).write_text("hello")
     open_tab(page, "Story")
     page.click("#story-files .label-wrap")
-    upload(page, "#story-resume-session", tmp_path / "notes.txt")
-    expect(page.locator("#story-files-status")).to_have_text("Not loaded: notes.txt is not a .zip file")
-    _refusal_shown_once(page, "notes.txt is not a .zip file")
+    upload(page, "#story-resume-session", tmp_path / marked)
+    expect(page.locator("#story-files-status")).to_have_text(f"Not loaded: {marked} is not a .zip file")
+    _refusal_shown_once(page, f"{marked} is not a .zip file")
 
 
 def test_save_and_export_while_a_reply_streams_are_refused_as_every_file_is(page):

@@ -203,6 +203,8 @@ def test_unknown_version_and_bad_fields_are_refused(smollm, chat_file, tmp_path)
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 10_000}), "fed = 10000")
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"fed": 3}), r"layers\[0\].seen = \d+: must be an integer from 3 to 3")
     refused(smollm, chat_file, "this is a chat session file, not a story session", kind="story")
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"kind": ["chat"]}),
+            r"not a session file: its kind is \['chat'\], not 'chat' or 'story'", kind="chat")
     layers = manifest["cache"]["layers"]
     bad_state = manifest["cache"] | {"layers": [layers[0] | {"held": 999}] + layers[1:]}
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": bad_state}), r"cache.layers\[0\].held = 999: must be an integer from 0 to 44")
@@ -556,7 +558,10 @@ def test_a_files_byte_budget_the_page_cannot_take_is_refused_on_upload_naming_it
     assert chat.state not in refused and refused[files.adopt]["visible"] is False
     assert refused[files.status].startswith("**Not loaded:** this session was saved with other cache settings: "
                                             "cache.budget_bytes = ")
-    assert refused[files.status].endswith(f"; the file's cache settings: {why}")
+    from h2o_chat.ui.refusals import markdown_literal
+
+    # Shown as written: unescaped, "<a 31-digit number>" was an HTML link in the page.
+    assert refused[files.status].endswith(markdown_literal(f"; the file's cache settings: {why}"))
 
 
 def test_story_panel_saves_and_resumes(views):

@@ -193,7 +193,11 @@ def load_session(
     limits = limits or InputLimits()
     manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
-        raise SnapshotError(f"this is a {manifest.get('kind')} session file, not a {kind} session")
+        saved_kind = manifest.get("kind")
+        if saved_kind not in ("chat", "story"):  # a crafted kind, shown as such: "a ['chat'] session" read oddly
+            raise SnapshotError(f"not a session file: its kind is {saved_kind!r}, not 'chat' or 'story'",
+                                f"{MANIFEST}: kind")
+        raise SnapshotError(f"this is a {saved_kind} session file, not a {kind} session")
     saved, ours = manifest.get("model"), model_identity(model)
     if not isinstance(saved, Mapping):
         raise SnapshotError(f"not a session file: {MANIFEST} lacks the model's fingerprint", f"{MANIFEST}: model")

@@ -29,7 +29,7 @@ from h2o_chat.engine.state import describe_differences
 from h2o_chat.sessions.files import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
 from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_transcript
 
-from .refusals import Refusal, warn
+from .refusals import Refusal, markdown_literal, warn
 from .settings import new_cache
 from .view_state import ViewState, admit, close_state, not_streaming, wait_for_model
 
@@ -202,7 +202,13 @@ class FilesPanel:
     def _refused(self, message: str, outcome: str = "Not loaded") -> dict:
         """Tell the user, change nothing else (the view keeps its session)."""
         warn(message)
-        return {self.status: f"**{outcome}:** {message}"}
+        return {self.status: f"**{outcome}:** {markdown_literal(message)}"}
+
+
+def _imported(count: int) -> str:
+    if count == 1:
+        return "Imported 1 message; it is read into a fresh cache on the next send."
+    return f"Imported {count} messages; they are read into a fresh cache on the next send."
 
 
 class ChatFiles(FilesPanel):
@@ -257,8 +263,7 @@ class ChatFiles(FilesPanel):
             return self._refused(f"conversation file: {err}")
         close_state(values[self.tab.state])
         return ({self.tab.state: state,
-                 self.status: f"Imported {len(transcript.messages)} message{'s' * (len(transcript.messages) != 1)}; "
-                              "they are read into a fresh cache on the next send."}
+                 self.status: _imported(len(transcript.messages))}
                 | self._shown(state) | self._views(values, state) | self._no_adopt())
 
     def _session_outputs(self) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import html
 import inspect
+import re
 from collections.abc import Callable
 
 import gradio as gr
@@ -23,6 +24,17 @@ class Refusal(Exception):
 def warn(message: str) -> None:
     """The one toast of a refusal (Gradio renders its text as HTML)."""
     gr.Warning(html.escape(message))
+
+
+def markdown_literal(text: str) -> str:
+    """``text`` shown as written in Markdown (one line): a refused file's name such as
+    ``my _notes_ [v2](x).txt`` came out in italics, with a link, and "<a 31-digit
+    number>" as an HTML link. Only what starts a span is escaped (an underscore inside a
+    word, as in ``server.max_page_conversations``, starts none)."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\g<0>", text)
+
+
+_MARKDOWN_SPECIAL = re.compile(r"[\\`*\[\]<>~&]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 
 
 def refusing(handler: Callable, output: gr.components.Component) -> Callable:
