@@ -105,3 +105,24 @@ def test_the_compare_gauges_show_each_sides_own_decoding_speed(loaded):
         assert stats.generated > 1
         shown = re.search(r'data-tps="([\d.]+)"', updates[-1][gauge]).group(1)
         assert shown == f"{stats.decode_tokens_per_s:.2f}", side
+
+
+def test_a_compare_side_taken_back_equals_one_that_never_had_the_turn(loaded):
+    """When a Stop takes one side's turn back but the other side already had a token,
+    the view takes that side back too (``rebuild``): it then holds what a side that
+    never saw the turn holds, the fidelity gauge's shadow still on the bounded side."""
+    state, never = CompareState(loaded, SMALL, "Be brief."), CompareState(loaded, SMALL, "Be brief.")
+    state.use_probe(True)
+    greedy = dict(temperature=0, max_new_tokens=6)
+    for compare in (state, never):
+        for session in compare.sides.values():
+            "".join(session.send("Name a colour.", **greedy))
+    for session in state.sides.values():
+        "".join(session.send("Name a fruit.", **greedy))
+    for side in (BOUNDED, FULL):
+        state.rebuild(side, state.shown(side)[:-2])
+    assert state.probe is not None and state.probe.session is state.sides[BOUNDED]
+    for side in (BOUNDED, FULL):
+        assert state.shown(side) == never.shown(side)
+        replies = ["".join(c.sides[side].send("Name a tree.", **greedy)) for c in (state, never)]
+        assert replies[0] == replies[1] and replies[0].strip()
