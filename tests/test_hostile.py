@@ -448,7 +448,6 @@ def test_limits_that_contradict_each_other_stop_the_app(tmp_path):
 def test_stop_during_a_long_prefill_ends_it_within_one_chunk(smollm, files, reference):
     model, tokenizer = smollm
     session = resumed(smollm, files)
-    chunk = session.prefill_chunk_size
     text = ("The quick brown fox jumps over the lazy dog. " * 1000)[:16_000]
     fed_at_stop, fed_after_stop, chunks = [], [], []
 
