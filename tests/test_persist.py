@@ -210,6 +210,26 @@ def test_unknown_version_and_bad_fields_are_refused(smollm, chat_file, tmp_path)
     refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": bad_state}), r"cache.layers\[0\].held = 999: must be an integer from 0 to 44")
 
 
+def test_pins_over_evicted_tokens_or_unpinned_slots_are_refused(smollm, chat, chat_file, tmp_path):
+    """A pinned token is never evicted, so a file whose spans cover evicted tokens (or
+    whose slots are marked pinned without a span) describes no cache the app could hold:
+    resumed, its phantom pins widened the budget by their length (QA: 14 MB became 52 MB
+    after one turn)."""
+    manifest, payload = read_manifest(chat_file)
+    evicted = [p for p in range(chat.fed) if p not in set(chat.cache.stats().layers[0].positions[0, 0].tolist())]
+    assert manifest["cache"]["protected"] == [[0, 8]] and evicted[0] >= 8
+    state = manifest["cache"] | {"protected": [[0, 8], [evicted[0], evicted[0] + 1]]}
+    refused(smollm, rewritten(chat_file, tmp_path, manifest | {"cache": state}),
+            rf"cache.protected covers token {evicted[0]}, which layer 0 does not hold as pinned in KV head 0: "
+            r"a session holds every pinned token it has read \(evicted text cannot be pinned\)")
+    tensors = load_tensors(payload)
+    flags = tensors["layers.3.pinned"][0, 1]
+    moved = int(flags.nonzero()[0]), int(flags.logical_not().nonzero()[0])  # as many marked
+    flags[list(moved)] = torch.tensor([False, True])
+    refused(smollm, rewritten(chat_file, tmp_path, payload=save_tensors(tensors)),
+            r"cache.safetensors: layers.3.pinned marks a slot whose token no protected span covers")
+
+
 def test_other_cache_settings_are_refused_naming_both_values(smollm, chat_file):
     model = smollm[0]
     refused(smollm, chat_file, "cache.heavy = 16 in the file, 32 in this cache: change the cache settings",

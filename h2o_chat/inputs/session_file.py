@@ -70,7 +70,8 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
     layers = state.get("layers")
     if not isinstance(layers, Sequence) or len(layers) != len(cache.layers):
         raise InputError(f"{where}.layers must list the model's {len(cache.layers)} layers", f"{where}.layers")
-    pinned = _pinned_tokens(state.get("protected"), tokens, f"{where}.protected")
+    protected = _protected_tokens(state.get("protected"), tokens, f"{where}.protected")
+    pinned = int(protected.sum())
     if cache.policy.marks_turns:
         _check_turns(state.get("turns"), tokens, fed, f"{where}.turns")
     config = model.config.get_text_config(decoder=True)
@@ -93,6 +94,7 @@ def check_cache_state(state: Any, tensors: Mapping[str, torch.Tensor], fed: int,
                     "held slots plus room for one prefill chunk or a doubling")
         stored = cache.storage.layout(head_dim, model.dtype)
         _check_layer_tensors(tensors, index, (1, heads, held), stored, model.dtype, fed, capacity, pinned)
+        _check_pins_held(tensors, index, (1, heads, held), protected[:fed], f"{where}.protected")
         # The exact window's rings: as long as the window, whatever the slots held.
         window = cache.storage.window_layout(head_dim, model.dtype)
         _check_stored(tensors, index, (1, heads, cache.storage.exact_window), window, model.dtype)
@@ -115,8 +117,9 @@ def _check_turns(turns: Any, tokens: int, fed: int, field: str) -> None:
         raise InputError(f"{field}.opened = {opened}: must be 0 or one of the turn starts", f"{field}.opened")
 
 
-def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:
-    """How many tokens the protected ``spans`` cover, checked to lie within the tokens."""
+def _protected_tokens(spans: Any, tokens: int, field: str) -> torch.Tensor:
+    """Which tokens the protected ``spans`` cover (a bool per token; spans may overlap),
+    the spans checked to lie within the tokens."""
     if not isinstance(spans, Sequence) or len(spans) > tokens:
         raise InputError(f"{field} must be a list of at most {tokens} [start, end] spans", field)
     checked = []
@@ -126,11 +129,42 @@ def _pinned_tokens(spans: Any, tokens: int, field: str) -> int:
         start = require_int(span[0], f"{field}[{index}][0]", 0, tokens - 1, "the tokens in the file")
         checked.append((start, require_int(span[1], f"{field}[{index}][1]", start + 1, tokens,
                                            "after start, within the tokens")))
-    covered, reached = 0, 0  # spans may overlap: count each token once
-    for start, end in sorted(checked):
-        covered += max(0, end - max(start, reached))
-        reached = max(reached, end)
-    return covered
+    # Each span adds one where it starts and takes it back where it ends: a token is covered
+    # where the running sum is positive. One pass, whatever the number of spans.
+    edges = torch.zeros(tokens + 1, dtype=torch.int64)
+    if checked:
+        starts, ends = torch.tensor(checked, dtype=torch.int64).unbind(-1)
+        edges.index_add_(0, starts, torch.ones_like(starts))
+        edges.index_add_(0, ends, -torch.ones_like(ends))
+    return edges.cumsum(0)[:tokens] > 0
+
+
+def _check_pins_held(tensors: Mapping[str, torch.Tensor], index: int, slots: tuple[int, ...],
+                     protected: torch.Tensor, field: str) -> None:
+    """Layer ``index`` marks as pinned exactly the slots of protected tokens, and holds
+    every protected token read (``protected``: a bool per token fed) in each KV head. A
+    pinned token is never evicted, so a span over evicted tokens would pin nothing, yet
+    count as pinned and widen the budget by its length."""
+    prefix = f"{TENSORS}: layers.{index}"
+    named = {name: tensors.get(f"layers.{index}.{name}") for name in ("positions", "pinned", "valid")}
+    if any(t is None or tuple(t.shape) != slots for t in named.values()):
+        return  # the cache's own check names what is missing or misshapen
+    positions, flags, valid = named["positions"], named["pinned"], named["valid"]
+    if positions.is_floating_point() or flags.dtype != torch.bool or valid.dtype != torch.bool:
+        return  # likewise
+    pinned = flags & valid  # padding slots hold no token
+    positions = positions.long()  # within the tokens fed: checked before
+    if bool((pinned & ~protected[positions]).any()):
+        raise InputError(f"{prefix}.pinned marks a slot whose token no protected span covers",
+                         f"{prefix}.pinned")
+    held = torch.zeros((*slots[:2], protected.numel()), dtype=torch.int64)
+    held.scatter_add_(-1, positions, pinned.long())
+    missing = (protected & (held == 0)).nonzero()
+    if missing.numel():
+        head, token = int(missing[0, 1]), int(missing[0, 2])
+        raise InputError(f"{field} covers token {token}, which layer {index} does not hold as pinned in "
+                         f"KV head {head}: a session holds every pinned token it has read (evicted text "
+                         "cannot be pinned)", field)
 
 
 def _check_layer_tensors(tensors: Mapping[str, torch.Tensor], index: int, slots: tuple[int, ...],
