@@ -454,7 +454,13 @@ def test_chat_panel_refusals_keep_the_session(views, tmp_path, monkeypatch):
     with pytest.warns(UserWarning):
         refused_with(files.on_import(values | {files.import_json: str(bad)}),
                      "unknown conversation file version 7")
-    # A story file does not resume in the chat view, nor a chat file in the story view.
+    # Within the characters allowed, past the model's context: no send could go through.
+    long = tmp_path / "long.json"
+    long.write_text(Transcript("w " * 10_000, [{"role": "user", "content": "Hi"}]).to_json())
+    with pytest.warns(UserWarning):
+        refused_with(files.on_import(values | {files.import_json: str(long)}),
+                     "conversation file: the conversation would reach 10,013 tokens with the imported messages "
+                     "alone, past the model's context of 8,192")
     story_state = inputs(settings, story, None)
     with pytest.warns(UserWarning, match="chat session file, not a story session"):
         update = story.files.on_resume(story_state | {story.files.resume: path})

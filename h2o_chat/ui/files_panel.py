@@ -257,6 +257,8 @@ class ChatFiles(FilesPanel):
             state = self.state_type(loaded, self.tab.settings.cache(values),
                                     transcript.system_prompt or "", InputLimits.of(self.tab.server))
             state.rebuild(transcript.messages)
+            # Else every send after it is refused: no message could ever be answered.
+            state.session.check_room(0, "the imported messages alone")
         except (Refusal, TranscriptError) as err:
             return self._refused(str(err))
         except ValueError as err:  # the session refused the history (e.g. a message too long)
