@@ -398,6 +398,32 @@ def test_chat_panel_exports_imports_saves_and_resumes(views, tmp_path):
     assert new.session.cache.settings() == state.session.cache.settings()
 
 
+def test_downloads_older_than_the_files_kept_go_at_the_next_export(views):
+    """A server up for weeks must not fill its disk (or a memory-backed /tmp) with every
+    download it wrote (QA: exports and uploads were kept until the process exited)."""
+    import os
+    import time
+
+    from h2o_chat.ui.chat_tab import ChatState
+    from h2o_chat.ui.files_panel import FILES_KEPT_S
+    from h2o_chat.ui.view_state import close_state
+
+    settings, chat, _ = views
+    files = chat.files
+    state = ChatState(files.tab.provider.get(), settings.cache(inputs(settings, chat, None)), "Be brief.")
+    try:
+        with state.running():
+            "".join(state.session.send("Hi", temperature=0, max_new_tokens=4))
+        values = inputs(settings, chat, state)
+        old, recent = (Path(files.on_export_json(values)[files.download]) for _ in range(2))
+        long_ago = time.time() - FILES_KEPT_S - 60
+        os.utime(old.parent, (long_ago, long_ago))
+        new = Path(files.on_export_markdown(values)[files.download])
+        assert not old.parent.exists() and recent.exists() and new.exists()
+    finally:
+        close_state(state)
+
+
 def test_an_import_past_the_pages_limit_is_refused_unless_it_replaces_one(views, tmp_path, monkeypatch):
     """Importing a conversation opens one, as a first send does: past
     ``server.max_page_conversations`` it is refused, though the view's own (which it

@@ -115,8 +115,10 @@ def _loopback(host: str) -> bool:
 
 def uvicorn_config(app: FastAPI, server: ServerConfig) -> uvicorn.Config:
     """How uvicorn serves ``app`` on ``server``'s address, within its connection limits."""
-    # Open pages hold event streams: on Ctrl-C, wait for them only briefly.
-    return uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+    # Open pages hold event streams: on Ctrl-C, wait for them only briefly. The client's
+    # address is the socket's: uvicorn would take X-Forwarded-For from any loopback peer,
+    # which on the default host is every client, and the login's throttle keys on it.
+    return uvicorn.Config(app, host=server.host, port=server.port, log_level="warning", proxy_headers=False,
                           timeout_graceful_shutdown=GRACE_S, http=guarded_protocol(connection_limits(server)))
 
 

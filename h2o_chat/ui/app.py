@@ -14,6 +14,7 @@ from h2o_chat.runtime import ModelProvider
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap, ended_either_way
+from .files_panel import FILES_KEPT_S
 from .reload_notice import say_when_reloaded
 from .settings import Settings
 from .small_screens import REVEAL_ABOVE_ROW, TAP_SHOWS_TITLE, fit_screen_width
@@ -39,7 +40,8 @@ INTRO = ("**h2o-chat** · a local chat whose KV cache stays within a fixed budge
 def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
     """The app's Blocks; mount them with ``launch_options``. ``provider`` may still be loading:
     the page shows its progress and handlers wait for it."""
-    with gr.Blocks(title="h2o-chat") as demo:
+    # Gradio's copies of uploads and downloads go an hour after they were made.
+    with gr.Blocks(title="h2o-chat", delete_cache=(600, FILES_KEPT_S)) as demo:
         gr.Markdown(INTRO)
         status = gr.Markdown(model_status(provider), elem_id="model-status")
         say_when_reloaded(demo)

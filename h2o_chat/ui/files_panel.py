@@ -15,6 +15,7 @@ views.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,10 +43,18 @@ MAX_CONVERSATION_BYTES = 5 * 1024**2
 # Files offered for download; Gradio serves them from its own copy, and the folder goes
 # when the app exits.
 _EXPORTS = tempfile.TemporaryDirectory(prefix="h2o-chat-files-")
+# How long a download or an upload stays on disk (Gradio's copies too: app.py), so that a
+# server up for weeks does not fill its disk, or a memory-backed /tmp, with them.
+FILES_KEPT_S = 3600
 
 
 def export_path(kind: str, suffix: str) -> Path:
-    """A new file path for a download, named after the view and the time."""
+    """A new file path for a download, named after the view and the time; downloads
+    written more than ``FILES_KEPT_S`` ago go."""
+    too_old = time.time() - FILES_KEPT_S
+    for folder in Path(_EXPORTS.name).iterdir():
+        if folder.stat().st_mtime < too_old:
+            shutil.rmtree(folder, ignore_errors=True)
     folder = tempfile.mkdtemp(dir=_EXPORTS.name)
     return Path(folder) / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}"
 
