@@ -63,6 +63,19 @@ def test_the_login_page_logs_in_and_the_chat_answers(browser, url):
     page.context.close()
 
 
+def test_logging_out_ends_the_login_whichever_cookie_the_client_kept(url):
+    """Gradio sets a Secure cookie and one for plain HTTP; logging out this session alone
+    forgot only the first one's token (QA: a client that kept the other stayed logged in)."""
+    with httpx.Client(base_url=url) as ann:
+        assert ann.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
+        (plain,) = [f"{name}={value}" for name, value in ann.cookies.items()
+                    if name.startswith("access-token-unsecure-")]
+    kept = {"cookie": plain}  # sent as a header each time: the client's jar would drop it
+    assert httpx.get(url + "gradio_api/info", headers=kept).status_code == 200
+    assert httpx.get(url + "logout", params={"all_session": "false"}, headers=kept).status_code == 302
+    assert httpx.get(url + "gradio_api/info", headers=kept).status_code == 401
+
+
 def test_with_a_login_every_page_route_wants_it_and_failed_logins_wait(url):
     with httpx.Client(base_url=url) as guest, httpx.Client(base_url=url) as ann:
         # Routes Gradio itself leaves open act on sessions: closed without the login.

@@ -100,6 +100,12 @@ class LoginGate:
         path = scope.get("path", "")
         if path in ("/login", "/login/") and scope.get("method") == "POST":
             await self._login(scope, receive, send)
+        elif path in ("/logout", "/logout/"):
+            await self.app(scope, receive, send)
+            # Gradio forgets only the Secure cookie's token when asked to log out this
+            # session alone; a client that kept only the other cookie stayed logged in.
+            for token in _cookie_tokens(scope):
+                scope["app"].tokens.pop(token, None)
         elif path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES) or _logged_in(scope):
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
@@ -145,19 +151,23 @@ class LoginGate:
 
 
 def _logged_in(scope: Scope) -> bool:
-    app = scope.get("app")
-    cookie_id, tokens = getattr(app, "cookie_id", None), getattr(app, "tokens", None)
-    if cookie_id is None or not tokens:
-        return False
+    tokens = getattr(scope.get("app"), "tokens", None)
+    return bool(tokens) and any(token in tokens for token in _cookie_tokens(scope))
+
+
+def _cookie_tokens(scope: Scope) -> list[str]:
+    """The login tokens the request's cookies carry (Gradio sets a Secure cookie and one
+    for plain HTTP)."""
+    cookie_id = getattr(scope.get("app"), "cookie_id", None)
+    if cookie_id is None:
+        return []
     header = dict(scope.get("headers") or []).get(b"cookie", b"").decode("latin-1")
     try:
         cookies = SimpleCookie(header)
     except CookieError:
-        return False
-    for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
-        if name in cookies and cookies[name].value in tokens:
-            return True
-    return False
+        return []
+    names = (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}")
+    return [cookies[name].value for name in names if name in cookies]
 
 
 class ImagesFromHere:
