@@ -541,6 +541,29 @@ def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):
         settings.check_adoptable([SettingDifference("score_norm", "mean", "sum")])
 
 
+def test_a_story_under_the_turns_policy_names_and_adopts_the_controls_settings(views):
+    """A story runs the page's turns policy as h2o, its slots split evenly. A story saved
+    under h2o 20/12, refused on a turns 30/8 page, was listed against the 19/19 that
+    would run (numbers no control showed), and adopting set 20/12 under turns, which ran
+    as 16/16: refused again."""
+    from h2o_chat.ui.story_tab import StoryState
+
+    settings, _, story = views
+    files = story.files
+    state = StoryState(files.tab.provider.get(), settings.cache(inputs(settings, story, None, policy="h2o", heavy=20, recent=12)),
+                       "Mira keeps the lighthouse.")
+    "".join(state.session.send("The storm came.", temperature=0, max_new_tokens=8))
+    path = files.on_save(inputs(settings, story, state))[files.download]
+    page = inputs(settings, story, None, policy="turns", heavy=30, recent=8)
+    with pytest.warns(UserWarning, match="cache.policy"):
+        refused = files.on_resume(page | {files.resume: path})
+    assert ("cache.policy = 'h2o' in the file, 'turns' on the page; cache.heavy = 20 in the file, 30 on the page; "
+            "cache.recent = 12 in the file, 8 on the page") in refused[files.status]
+    adopted = files.on_adopt(page | {files.mismatched: refused[files.mismatched]})
+    assert adopted[files.status].startswith("Resumed with the file's cache settings (policy h2o, heavy 20, recent 12")
+    assert_same_cache(adopted[story.state].session.cache, state.session.cache)
+
+
 # A page of K8/V4 and 1 MB (88 tokens of the embedded model; turns: sink 4, heavy 79, recent 5).
 BYTE_BUDGET_PAGE = dict(budget_mb="1", key_bits="8", value_bits="4")
 BYTE_BUDGET_DIFFERENCES = ("cache.budget_bytes = 1000000 in the file, not used on the page; "

@@ -64,10 +64,10 @@ class SnapshotError(InputError):
 
 class SettingsMismatch(SnapshotError):
     """A session file saved with other cache settings than the cache it was resumed
-    into; ``differences`` holds every setting that differs."""
+    into; ``differences`` holds every setting that differs, ``saved`` the file's settings."""
 
-    def __init__(self, differences: list[SettingDifference]) -> None:
-        self.differences = differences
+    def __init__(self, differences: list[SettingDifference], saved: Mapping[str, Any]) -> None:
+        self.differences, self.saved = differences, dict(saved)
         super().__init__(f"{describe_differences(differences, 'in the file', 'in this cache')}: "
                          "change the cache settings to the file's to resume it")
 
@@ -210,7 +210,7 @@ def load_session(
         raise SnapshotError(f"not a session file: {MANIFEST} lacks the cache settings")
     differences = settings_differences(cache_state["settings"], cache.settings())
     if differences:
-        raise SettingsMismatch(differences)
+        raise SettingsMismatch(differences, cache_state["settings"])
     try:
         tensors = load_tensors(payload)
     except SafetensorError as err:

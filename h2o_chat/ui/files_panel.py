@@ -26,7 +26,7 @@ import gradio as gr
 
 from h2o_chat.inputs import InputLimits
 from h2o_chat.config import CacheConfig, for_story
-from h2o_chat.engine.state import describe_differences
+from h2o_chat.engine.state import describe_differences, settings_differences
 from h2o_chat.sessions.files import SUFFIX, SettingsMismatch, SnapshotError, load_session, save_session
 from h2o_chat.sessions.transcripts import Transcript, TranscriptError, read_transcript
 
@@ -190,16 +190,22 @@ class FilesPanel:
         """Refuse a file of other cache settings, naming every difference; offer to
         adopt them where the page can set them all and they make a cache the model can
         hold (the same check as adopting them)."""
+        differences, model = mismatch.differences, wait_for_model(self.tab.provider).model
+        page = self.tab.settings.cache(values)
+        if self._runs_with(page) != page:
+            # The view ran the page's settings changed (a story runs turns as h2o): name
+            # and adopt the differences with what the controls say, not with what ran.
+            differences = settings_differences(mismatch.saved, new_cache(model, page).settings())
         message = ("this session was saved with other cache settings: "
-                   + describe_differences(mismatch.differences, "in the file", "on the page"))
+                   + describe_differences(differences, "in the file", "on the page"))
         try:
-            self.tab.settings.adopt(values, mismatch.differences, wait_for_model(self.tab.provider).model)
+            self.tab.settings.adopt(values, differences, model)
         except Refusal as why:
             return self._refused(f"{message}; {why}") | self._no_adopt()
         return (self._refused(f"{message}. Set the cache settings to the file's, or use the file's settings "
                               "with the button below.")
                 | {self.adopt: gr.update(visible=True),
-                   self.mismatched: (str(values[self.resume]), mismatch.differences)})
+                   self.mismatched: (str(values[self.resume]), differences)})
 
     def _no_adopt(self) -> dict:
         return {self.adopt: gr.update(visible=False), self.mismatched: None}
