@@ -197,6 +197,54 @@ def test_report_writes_json_markdown_and_machine(tmp_path):
     assert table.splitlines()[0] == "| x | y |" and "0.1235" in table
 
 
+def test_the_index_collects_every_page_in_the_folder(tmp_path):
+    """QA: after `step` or `storage` alone, index.md held only its heading."""
+    machine = report.machine_info()
+    for name in ("storage_designs", "step", "a_named_run"):
+        report.write_markdown(tmp_path, name, f"title of {name}", f"body of {name}", machine)
+    index = (tmp_path / "index.md").read_text()
+    assert [index.index(f"body of {n}") for n in ("step", "storage_designs", "a_named_run")] == sorted(
+        index.index(f"body of {n}") for n in ("step", "storage_designs", "a_named_run"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["speed", "--contexts", "-64"], "--contexts '-64': must be a comma list of whole numbers from 1"),
+    (["xsum", "--articles", "-1"], "--articles -1: must be a whole number from 1"),
+    (["speed", "--decode-tokens", "0"], "--decode-tokens 0: must be a whole number from 1"),
+    (["serve", "--paste-tokens", "-1"], "--paste-tokens -1: must be a whole number from 0"),
+    (["serve", "--serve-configs", "2by256"], "--serve-configs '2by256': must be a comma list of "
+                                             "CONVERSATIONSxHISTORY pairs of whole numbers from 1, e.g. 4x2048"),
+    (["serve", "--serve-turns", "3"], "--serve-turns 3: must be 1 or 2"),
+    (["continuation", "--budgets", "abc"], "--budgets 'abc': must be a comma list of fractions above 0"),
+    (["bytes", "--shares", "0,0.2"], "--shares '0,0.2': must be a comma list of shares above 0 and at most 1"),
+    (["xsum", "--variant", "foo"], "--variant 'foo': must be norm:heavy share:sink"),
+])
+def test_a_value_no_comparison_can_run_with_is_refused_in_one_line(argv, message, capsys):
+    """Before anything loads (QA: these ended after the model loaded in a traceback, and
+    `--contexts -64` and `--articles -1` started runs of hours without a word)."""
+    from h2o_chat.bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as ended:
+        parse_args(argv)
+    assert ended.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+
+
+def test_missing_data_ends_the_run_with_one_line(tmp_path, monkeypatch, capsys):
+    from h2o_chat.bench.__main__ import main
+
+    monkeypatch.setenv("H2O_CHAT_DATA", str(tmp_path / "nowhere"))
+    threads = torch.get_num_threads()  # the run sets its own; the tests after it keep theirs
+    try:
+        assert main(["xsum", "--articles", "1", "--threads", "1", "--out", str(tmp_path / "out")]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1].endswith(f"error: xsum: benchmark data {tmp_path / 'nowhere' / data.XSUM} is missing: the "
+                             "benchmarks read shared/data next to the repository (or set H2O_CHAT_DATA to a folder "
+                             "with the same layout)")
+    assert "Traceback" not in "\n".join(said)
+
+
 def test_xsum_budgets_are_the_papers_ratios():
     from h2o_chat.bench.xsum import xsum_variants
 

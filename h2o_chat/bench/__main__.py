@@ -49,7 +49,72 @@ PRESETS = {
 
 
 def parse_budgets(text: str) -> list[float]:
-    return [float(x) if "." in x else int(x) for x in text.split(",") if x]
+    budgets = [float(x) if "." in x else int(x) for x in text.split(",") if x]
+    if not budgets or any(b <= 0 or (isinstance(b, float) and b > 1) for b in budgets):
+        raise ValueError(text)
+    return budgets
+
+
+def parse_counts(text: str, allow_none: bool = False) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if (not counts and not allow_none) or any(n < 1 for n in counts):
+        raise ValueError(text)
+    return counts
+
+
+def parse_shares(text: str) -> list[float]:
+    shares = [float(x) for x in text.split(",") if x.strip()]
+    if not shares or any(not 0 < x <= 1 for x in shares):
+        raise ValueError(text)
+    return shares
+
+
+def parse_serve_configs(text: str) -> list[tuple[int, int]]:
+    configs = [tuple(parse_counts(c.replace("x", ","))) for c in text.split(",") if c]
+    if not configs or any(len(c) != 2 for c in configs):
+        raise ValueError(text)
+    return configs
+
+
+# Flags whose value must be a whole number from 1, or from 0 (where 0 means none).
+_FROM_ONE = ("passages", "articles", "decode_tokens", "repeats", "prefill_repeats", "questions", "max_new_tokens",
+             "chat_budget", "tokens", "prefill_chunk", "chunk", "rolling_budget", "serve_tokens", "samples",
+             "step_history", "step_slots", "step_rounds", "design_len", "peer_context", "threads")
+_FROM_ZERO = ("callbacks", "paste_tokens", "chat_turns")
+# Comma-list flags: what reads them, and what it takes.
+_LISTS: dict[str, tuple[Callable[[str], object], str]] = {
+    "budgets": (parse_budgets, "fractions above 0 and at most 1 (0.2) or slot counts from 1 (256)"),
+    "tune_budgets": (parse_budgets, "fractions above 0 and at most 1 (0.2) or slot counts from 1 (256)"),
+    "contexts": (parse_counts, "whole numbers from 1"),
+    "step_rows": (parse_counts, "whole numbers from 1"),
+    "byte_contexts": (lambda text: parse_counts(text, allow_none=True), "whole numbers from 1, or ''"),
+    "serve_configs": (parse_serve_configs, "CONVERSATIONSxHISTORY pairs of whole numbers from 1, e.g. 4x2048"),
+    "shares": (parse_shares, "shares above 0 and at most 1"),
+}
+
+
+def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse in one line, before anything loads, a value no comparison can run with
+    (they failed after the model loaded, with a traceback, or ran for hours)."""
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name in _FROM_ONE + _FROM_ZERO:
+        value, least = getattr(args, name), 1 if name in _FROM_ONE else 0
+        if value is not None and value < least:
+            p.error(f"{flag(name)} {value}: must be a whole number from {least}")
+    for name, (parse, takes) in _LISTS.items():
+        try:
+            parse(getattr(args, name))
+        except ValueError:
+            p.error(f"{flag(name)} {getattr(args, name)!r}: must be a comma list of {takes}")
+    if args.serve_turns not in (1, 2):
+        p.error(f"--serve-turns {args.serve_turns}: must be 1 or 2")
+    try:
+        variant_factory(args.variant)
+    except ValueError:
+        p.error(f"--variant {args.variant!r}: must be norm:heavy share:sink (norm sum, mean or decayG; share "
+                "from 0 to 1), e.g. 'mean:0.25:4' or 'decay0.99:0.5:4'")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,6 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in PRESETS[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    _check_values(p, args)
     if "all" in args.comparisons:
         args.comparisons = [c for c in COMPARISONS if c not in ON_REQUEST]
     if args.gpu_models is None:
@@ -145,15 +211,18 @@ def variant_factory(spec: str | None) -> Callable[[int], Variant] | None:
     """``norm:share:sink`` -> a function slots -> Variant labelled 'h2o tuned'."""
     if not spec:
         return None
-    norm, share, sink = spec.split(":")
+    norm, share, sink = spec.split(":")  # ValueError where it is not three parts
     kw = {}
     if norm.startswith("decay"):
         kw["decay"] = float(norm[5:])
     elif norm == "mean":
         kw["norm"] = "mean"
     elif norm != "sum":
-        raise SystemExit(f"--variant {spec!r}: norm must be sum, mean or decayG")
-    return lambda slots: h2o_split(f"h2o tuned ({spec})", slots, float(share), sink=int(sink), **kw)
+        raise ValueError(f"norm {norm!r}")
+    share, sink = float(share), int(sink)
+    if not 0 <= share <= 1 or sink < 0:
+        raise ValueError(f"share {share}, sink {sink}")
+    return lambda slots: h2o_split(f"h2o tuned ({spec})", slots, share, sink=sink, **kw)
 
 
 def log(message: str) -> None:
@@ -261,7 +330,7 @@ TABLE: dict[str, Comparison] = {
         report.xsum_plot, report.xsum_markdown),
     "speed": _one_page(
         "speed", "4. Speed and memory vs context length",
-        lambda b: speed.run(b.model, b.tokenizer, [int(c) for c in b.args.contexts.split(",")],
+        lambda b: speed.run(b.model, b.tokenizer, parse_counts(b.args.contexts),
                             b.args.decode_tokens, b.args.repeats, b.args.prefill_repeats, log=log),
         report.speed_plot, report.speed_markdown),
     "chat": _one_page(
@@ -278,18 +347,18 @@ TABLE: dict[str, Comparison] = {
     "serve": _one_page(
         "serve", "7. Serving: many conversations at once",
         lambda b: serve.run(b.model, b.tokenizer,
-                            [tuple(int(x) for x in c.split("x")) for c in b.args.serve_configs.split(",") if c],
+                            parse_serve_configs(b.args.serve_configs),
                             b.args.serve_tokens, b.args.serve_turns, b.args.paste_tokens, b.args.samples,
                             b.args.chat_turns, log=log),
         serve.plot, serve.markdown),
     "step": Comparison("step", lambda b: ("step", step.run(
-        b.model, b.tokenizer, [int(n) for n in b.args.step_rows.split(",")], b.args.step_history, b.args.step_slots,
+        b.model, b.tokenizer, parse_counts(b.args.step_rows), b.args.step_history, b.args.step_slots,
         b.args.step_rounds, steps=4, policies=_labels(b.args.step_policies), log=log)), lambda b, result: [
         ("step", "The decode step's cost as conversations are added", step.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
-        lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, [float(x) for x in b.args.shares.split(",")],
-                                  [int(c) for c in b.args.byte_contexts.split(",") if c], b.args.decode_tokens,
+        lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, parse_shares(b.args.shares),
+                                  parse_counts(b.args.byte_contexts, allow_none=True), b.args.decode_tokens,
                                   b.args.repeats, b.args.articles, log=log),
         equal_bytes.plot, equal_bytes.markdown),
     "storage": _one_page(
@@ -307,7 +376,7 @@ TABLE: dict[str, Comparison] = {
     "peer": _one_page(
         "peer", "Peer: llama.cpp on the same GGUF file, one conversation",
         lambda b: peer.run(b.model, b.tokenizer, b.args.peer_context, b.args.decode_tokens, b.args.repeats,
-                           torch.get_num_threads(), b.args.out, log=log),
+                           torch.get_num_threads(), log=log),
         peer.plot, peer.markdown),
     "gpu": Comparison("gpu", lambda b: ("gpu", _run_gpu(b.args)),
                       lambda b, result: [("gpu", GPU_TITLE, gpu.markdown(result))]),
@@ -348,7 +417,11 @@ def main(argv=None) -> int:
     failed = []
     for comparison in dict.fromkeys(TABLE[name] for name in COMPARISONS if name in args.comparisons):
         started, loadavg_start = time.perf_counter(), list(os.getloadavg())
-        name, result = comparison.measure(bench)
+        try:
+            name, result = comparison.measure(bench)
+        except (FileNotFoundError, ModuleNotFoundError) as missing:  # data, or peer's llama.cpp
+            log(f"error: {comparison.label}: {missing}")
+            return 2
         machine = report.machine_info() | {"loadavg_start": loadavg_start}
         result.update(machine=machine, mode=args.mode, seconds=round(time.perf_counter() - started, 1),
                       command=command)

@@ -1,12 +1,12 @@
-"""``python -m h2o_chat.bench api [--clients 1,2,4,8] [--tokens 32] [--repeats 2]``
+"""``python -m h2o_chat.bench api [--clients 1,2,4,8] [--tokens 32] [--repeats 2] [--threads N]``
 
 The cost of the HTTP API: N concurrent conversations, each one greedy reply of exactly
 ``--tokens`` tokens (``ignore_eos``), through the real server (``app.py`` in its own
 process, streamed to N ``openai`` clients on threads here) and through the Python API
 (N ``ChatSession`` threads in this process, the server idle). Both sides use the config's
-cache and threads, the same questions, and alternate per repeat. Prints aggregate
-tokens/s, time to first token p50/p95, and the HTTP side's tokens/s against the Python
-side's.
+cache and threads (``--threads`` sets both), the same questions, and alternate per
+repeat. Prints aggregate tokens/s, time to first token p50/p95, and the HTTP side's
+tokens/s against the Python side's.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as app.py: idle OpenMP threads must not spin
+
+import torch  # noqa: E402
 
 from h2o_chat import ChatSession, cache_from_config, load_model  # noqa: E402
 from h2o_chat.config import load_config  # noqa: E402
@@ -85,19 +87,26 @@ def http_reply(url: str, tokens: int) -> Callable[[int], float]:
 
 
 @contextmanager
-def server(max_clients: int) -> Iterator[str]:
-    """``app.py`` on a free port, allowing ``max_clients`` generations at once."""
+def server(max_clients: int, threads: int) -> Iterator[str]:
+    """``app.py`` on a free port, allowing ``max_clients`` generations at once, on
+    ``threads`` torch threads."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="h2o-chat-bench-", delete=False)
     with config:
-        config.write(f"server:\n  max_concurrent_generations: {max_clients}\n")
+        config.write(f"model:\n  threads: {threads}\nserver:\n  max_concurrent_generations: {max_clients}\n")
+    errors = tempfile.TemporaryFile()  # read if the server ends before it answers
     process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), "--config", config.name],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=errors)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
+            if process.poll() is not None:
+                errors.seek(0)
+                said = errors.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"the server ended (status {process.returncode}) before it answered: "
+                                   + " / ".join(said))
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
                     break
@@ -109,6 +118,7 @@ def server(max_clients: int) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+        errors.close()
         os.unlink(config.name)
 
 
@@ -123,13 +133,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="1,2,4,8", help="comma list of concurrent conversations")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per reply (default 32)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and N, alternating (default 2)")
+    parser.add_argument("--threads", type=int, help="torch threads of each side (default: the config's)")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.clients.split(",")]
+    try:
+        counts = [int(n) for n in args.clients.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or max(counts) > 64:
+        parser.error(f"--clients {args.clients!r}: must be a comma list of whole numbers from 1 to 64 "
+                     "(server.max_concurrent_generations)")
+    for name in ("tokens", "repeats", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be a whole number from 1")
     config = load_config()
+    if args.threads:
+        config.model.threads = args.threads
     model, tokenizer = load_model(config.model)
     local = python_reply(model, tokenizer, config, args.tokens)
     rows = []
-    with server(max(counts)) as url:
+    with server(max(counts), torch.get_num_threads()) as url:
         remote = http_reply(url, args.tokens)
         run_concurrently(1, remote)  # warm both sides up: first passes pay one-time costs
         run_concurrently(1, local)

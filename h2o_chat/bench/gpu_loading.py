@@ -76,7 +76,8 @@ def run(device: torch.device) -> tuple[list[Check], list[dict]]:
 
 def _loads_and_decodes(folder: str, place: str, quantization: str | None, ids: torch.Tensor, want: torch.Tensor,
                        title: str) -> Check:
-    model, _ = load_model(ModelConfig(source=folder, device=place, dtype="bfloat16", quantization=quantization))
+    model, _ = load_model(ModelConfig(source=folder, device=place, dtype="bfloat16", quantization=quantization,
+                                      threads=torch.get_num_threads()))  # the run's --threads
     got, held = _decode(model, ids.to(model.device))
     gap = logits_gap(got.to(want.device), want)
     finite = bool(torch.isfinite(got).all())

@@ -85,5 +85,6 @@ def smollm2_missing() -> str | None:
 
 def load_smollm2(device: torch.device) -> PreTrainedModel:
     """The embedded SmolLM2-135M-Instruct, real weights, in bfloat16 on ``device``."""
-    model, _ = load_model(ModelConfig(device=device.type, dtype="bfloat16"))
+    model, _ = load_model(ModelConfig(device=device.type, dtype="bfloat16",
+                                      threads=torch.get_num_threads()))  # the run's --threads
     return model

@@ -19,7 +19,7 @@ import torch
 
 from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import cache_from_config
-from h2o_chat.loading import embedded_gguf_path
+from h2o_chat.loading import cache_root, embedded_gguf_path
 
 from . import data
 from .report import pyplot
@@ -78,12 +78,18 @@ def h2o_chat_decode(model, prompt: list[int], tokens: int, policy: str) -> float
     return decode(model, cache, prefill(model, cache, torch.tensor([prompt]), settings.prefill_chunk_size), tokens)
 
 
-def run(model, tokenizer, context: int, tokens: int, repeats: int, threads: int, folder: Path, log=print) -> dict:
+def run(model, tokenizer, context: int, tokens: int, repeats: int, threads: int, log=print) -> dict:
+    """The float copy (540 MB) is written once beside the app's converted model, not
+    among the results."""
+    import llama_cpp  # noqa: F401  before anything is written or measured: a missing install names itself
+
     gguf = embedded_gguf_path()
-    f32 = folder / (gguf.stem + ".F32.gguf")
+    f32 = cache_root() / (gguf.stem + ".F32.gguf")
     if not f32.exists():
-        log(f"  peer: writing {f32.name}")
-        f32_copy(gguf, f32)
+        log(f"  peer: writing {f32}")
+        f32.parent.mkdir(parents=True, exist_ok=True)
+        partial = f32.with_suffix(".partial")  # a run cut while writing leaves no file taken as whole
+        f32_copy(gguf, partial).replace(f32)
     book = tokenizer(data.read_text(data.BOOK)[: 8 * context], add_special_tokens=False).input_ids[:context]
     engines = {
         "h2o-chat full cache (float32)": lambda: h2o_chat_decode(model, book, tokens, "full"),

@@ -123,8 +123,14 @@ def write_markdown(out: Path, name: str, title: str, body: str, machine: dict) -
 
 
 def write_index(out: Path) -> None:
-    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k", "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet", "gpu"]
-    parts = [(out / f"{n}.md").read_text() for n in order if (out / f"{n}.md").exists()]
+    """``index.md``: every page in ``out``, the comparisons in the order they run, then
+    any other page (a named run of one) by name."""
+    order = ["streaming", "streaming-10", "streaming-sweep", "continuation", "tuning", "xsum", "speed", "speed-8k",
+             "long_chat", "rolling", "rolling-full", "serve", "serve-8x2048-quiet", "step", "equal_bytes",
+             "storage_designs", "tier_study", "budget_shapes", "peer", "gpu"]
+    pages = {path.stem for path in out.glob("*.md")} - {"index"}
+    names = [n for n in order if n in pages] + sorted(pages - set(order))
+    parts = [(out / f"{n}.md").read_text() for n in names]
     (out / "index.md").write_text("# h2o-chat benchmark results\n\n" + "\n".join(parts))
 
 
