@@ -3,9 +3,11 @@ driven through Debian's chromium with Playwright."""
 
 from __future__ import annotations
 
+from playwright.sync_api import expect
+
 from .browser_support import (
     DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, gauge, messages, open_app, open_tab, send,
-    ran_with, set_number, start_and_wait,
+    ran_with, set_number, start_and_wait, toasts,
 )
 
 
@@ -79,6 +81,45 @@ def test_regenerate_and_undo_rebuild_the_chat(page):
     assert page.input_value("#chat-input textarea") == "Name a fruit."
     page.wait_for_function("() => document.querySelector('#chat-gauge .gauge').dataset.seen === '0'")
     assert "nothing fed yet" in page.inner_text("#chat-gauge")
+
+
+def _edit(page, nth: int, text: str) -> None:
+    page.locator("#chatbot [data-testid=user]").nth(nth).hover()
+    page.locator("#chatbot button[aria-label=Edit]").nth(nth).click()
+    page.locator("#chatbot textarea.edit-textarea").fill(text)
+    page.locator("#chatbot button[aria-label=Submit]").click()
+
+
+def test_a_refused_edit_leaves_the_conversation_and_the_page_as_they_were(page):
+    """QA: an edit to an empty message was refused, yet the server's chat went back to
+    before that message while the page went on showing the edit; the next send then
+    dropped the turns after it."""
+    configure(page, max_new_tokens=8)
+    for text in ("My name is Ann.", "I live in Oslo."):
+        send(page, "#chat-input", "#chat-send", text)
+    replies = messages(page, "chatbot", "bot")
+    _edit(page, 0, "")
+    expect(page.locator("[data-testid=toast-body]")).to_contain_text("message is empty")
+    expect(page.locator("#chatbot [data-testid=user]").first).to_have_text("My name is Ann.")
+    send(page, "#chat-input", "#chat-send", "Thanks.")
+    assert messages(page, "chatbot", "user") == ["My name is Ann.", "I live in Oslo.", "Thanks."]
+    assert messages(page, "chatbot", "bot")[:2] == replies
+
+
+def test_regenerate_keeps_the_messages_pin_and_the_draft_in_the_box(page):
+    """QA: Regenerate warned that the pinned message's pin was dropped and sent it again
+    unpinned, and emptied the message box of a draft typed meanwhile."""
+    configure(page, max_new_tokens=8)
+    page.check("#chat-pin-message input")
+    send(page, "#chat-input", "#chat-send", "My dog is Rex.")
+    pins = page.locator("#chat-pin-list .pins")
+    expect(pins).to_have_attribute("data-count", "2")  # the system prompt and the message
+    page.fill("#chat-input textarea", "a draft")
+    start_and_wait(page, "#chat-regenerate")
+    expect(pins).to_have_attribute("data-count", "2")
+    assert "My dog is Rex." in pins.locator("tr.pin").inner_text()
+    assert not [t for t in toasts(page) if "dropped" in t]
+    assert page.input_value("#chat-input textarea") == "a draft"
 
 
 def test_two_browser_contexts_chat_at_once_with_separate_histories(browser, app_url):

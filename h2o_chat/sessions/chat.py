@@ -95,13 +95,17 @@ class ChatSession(Session):
         once set, ends the turn (set before it begins, nothing is fed). A turn stopped
         (or failed) before the reply's first token is taken back: the conversation is
         as it was before the message."""
+        self.check_message(text)
+        return self._turn(text, Sampling(**sampling), pin, stop)
+
+    def check_message(self, text: str) -> None:
+        """Refuse (InputError) a message ``send`` would refuse: empty, past the limits,
+        or leaving no room for a reply in the model's context."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
-        sampling = Sampling(**sampling)
         if self.positions_left(0) is not None:  # rendered once more in the turn: cheap beside it
             new_tokens = self._render_new(self.messages + [{"role": "user", "content": text}], True)[1]
             self.check_room(len(new_tokens), "this message and a reply")
-        return self._turn(text, sampling, pin, stop)
 
     def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:

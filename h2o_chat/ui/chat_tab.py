@@ -15,8 +15,8 @@ from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
-from .pin_panel import PinPanel, carry_pins, pin_message_checkbox
-from .refusals import Refusal, refusing
+from .pin_panel import PinPanel, carry_pins, pin_message_checkbox, same_text
+from .refusals import Refusal, refusing, warn
 from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, check_fits, new_cache
@@ -50,12 +50,22 @@ class ChatState(ViewState):
     def shown(self) -> list[dict[str, str]]:
         return shown_messages(self.session)
 
-    def rebuild(self, history: list[dict[str, str]]) -> None:
+    def rebuild(self, history: list[dict[str, str]], then: str | None = None, resent_pin: str | None = None) -> None:
         """Go back in time: a fresh cache on ``history``, fed on the next send (an
-        evicting cache cannot un-see the turns after it)."""
-        old, self.session = self.session, self._new_session(history)
-        carry_pins(old, self.session)
+        evicting cache cannot un-see the turns after it). ``then``: the message about to
+        be sent on it (an edit, a regenerate), checked first: where it would be refused
+        (ValueError), or ``history`` is, nothing changes. ``resent_pin``: the text of a
+        pin that message takes over (see ``carry_pins``)."""
+        session = self._new_session(history)
+        if then is not None:
+            session.check_message(then)
+        old, self.session = self.session, session
+        carry_pins(old, session, resent_pin)
         self.forget_snapshot()
+
+    def pinned(self, text: str) -> bool:
+        """Whether a pin of yours holds exactly ``text`` (as "pin this message" does)."""
+        return any(not pin.fixed and same_text(pin.text, text) for pin in self.session.pins())
 
 
 def shown_messages(session: ChatSession) -> list[dict[str, str]]:
@@ -186,9 +196,7 @@ class ChatTab:
         if index is None:
             raise Refusal("Nothing to regenerate yet.")
         with state.running():
-            shown = state.shown()
-            state.rebuild(shown[:index])
-            yield from self._turn(values, state, shown[index]["content"])
+            yield from self._again(values, state, index, state.shown()[index]["content"])
 
     def on_edit(self, values: dict, edit: gr.EditData) -> Iterator[dict]:
         state = values[self.state]
@@ -198,12 +206,34 @@ class ChatTab:
             shown, index, text = state.shown(), edit.index, _text_of(edit.value)
             if isinstance(index, (tuple, list)):
                 index = index[0]
-            if shown[index]["role"] == "user":
-                state.rebuild(shown[:index])
-                yield from self._turn(values, state, text)
+            if not 0 <= index < len(shown):
+                yield self._edit_refused(state, "That message is no longer in the conversation.")
+            elif shown[index]["role"] == "user":
+                yield from self._again(values, state, index, text)
             else:
-                state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
+                try:
+                    state.rebuild(shown[:index] + [{"role": "assistant", "content": text}])
+                except ValueError as err:
+                    yield self._edit_refused(state, str(err))
+                    return
                 yield {self.chatbot: state.shown()} | self.views(values, state, True)
+
+    def _again(self, values: dict, state: ChatState, index: int, text: str) -> Iterator[dict]:
+        """``text`` sent in place of user message ``index`` and all after it (regenerate,
+        edit). A pinned message stays pinned; the message box keeps what it holds. Refused,
+        the conversation is as it was, and so is the page (the chatbot showed the edit)."""
+        replaced = state.shown()[index]["content"]
+        pinned = state.pinned(replaced)
+        try:
+            state.rebuild(state.shown()[:index], then=text, resent_pin=replaced if pinned else None)
+        except ValueError as err:
+            yield self._edit_refused(state, str(err))
+            return
+        yield from self._turn(values, state, text, pin=pinned, from_box=False)
+
+    def _edit_refused(self, state: ChatState, message: str) -> dict:
+        warn(message)
+        return {self.chatbot: state.shown()}
 
     def on_continue(self, values: dict) -> Iterator[dict]:
         state = values[self.state]
@@ -242,16 +272,19 @@ class ChatTab:
                 self.gauge: self.empty_gauge(cache),
                 **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
-    def _turn(self, values: dict, state: ChatState, text: str) -> Iterator[dict]:
+    def _turn(self, values: dict, state: ChatState, text: str, pin: bool | None = None,
+              from_box: bool = True) -> Iterator[dict]:
+        """Send ``text``, pinned where ``pin`` (default: the box's "pin this message");
+        ``from_box``: the text came from the message box, which is emptied."""
         sampling = self.settings.sampling(values)
         try:
-            stream = state.session.send(text, pin=bool(values[self.pin_message]),
+            stream = state.session.send(text, pin=bool(values[self.pin_message]) if pin is None else pin,
                                         stop=self.swap.stop_event(values), **sampling)
         except ValueError as err:
             raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]
-        yield {self.state: state, self.chatbot: shown, self.text: "", self.pin_message: False,
-               self.ran_with: ran_with(sampling, state.cache)}
+        box = {self.text: "", self.pin_message: False} if from_box else {}
+        yield {self.state: state, self.chatbot: shown, self.ran_with: ran_with(sampling, state.cache)} | box
         yield from self._stream(values, state, stream, sampling, shown)
         if not state.closed and len(state.shown()) < len(shown):  # the session took it back
             yield message_back(self.text, text) | {self.pin_message: values[self.pin_message]}

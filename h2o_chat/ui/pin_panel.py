@@ -74,11 +74,12 @@ def unpin_choices(pins: Iterable[Pin]) -> list[tuple[str, int]]:
     return [(f"{p.id}: {_cut(p.text, 40)} ({p.tokens} tokens)", p.id) for p in pins if not p.fixed]
 
 
-def carry_pins(old: Session, new: Session) -> None:
+def carry_pins(old: Session, new: Session, resent: str | None = None) -> None:
     """Pin in ``new`` (a fresh session on an edited history) the text of ``old``'s pins,
-    each at the occurrence nearest its old place; a warning for each whose text is gone."""
+    each at the occurrence nearest its old place; a warning for each whose text is gone.
+    A pin of the text ``resent`` is left to the message that sends it again, pinned."""
     for pin in old.pins():
-        if pin.fixed:
+        if pin.fixed or (resent is not None and same_text(pin.text, resent)):
             continue
         try:
             new.pin(pin.text, near=pin.start)
@@ -93,6 +94,11 @@ def warn_dropped_pins(old: Session | None) -> None:
     if dropped:
         gr.Warning(f"{len(dropped)} pin(s) dropped: the story was read again into a fresh "
                    "cache. Pin their text again: what the cache holds still can be.")
+
+
+def same_text(a: str, b: str) -> bool:
+    """Whether two texts are the same to a pin, which ignores whitespace."""
+    return a.split() == b.split()
 
 
 def _cut(text: str, limit: int = TEXT_SHOWN) -> str:
