@@ -32,6 +32,7 @@ from h2o_chat.loading import load_model, set_torch_threads
 
 from . import (budget_shapes, data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step,
                storage_designs, streaming, tier_study, xsum)
+from .options import flag, parse_budgets, parse_counts, parse_serve_configs, parse_shares, refuse_below
 from .variants import Variant, h2o_split, standard_variants
 
 # quick: a few minutes per comparison on a 2-core CPU; full: the issue's protocol.
@@ -46,34 +47,6 @@ PRESETS = {
                  serve_configs=",".join(f"{n}x{h}" for h in (512, 2048, 4096) for n in (1, 2, 4, 8)),
                  serve_turns=2, byte_contexts="512,4096,8192"),
 }
-
-
-def parse_budgets(text: str) -> list[float]:
-    budgets = [float(x) if "." in x else int(x) for x in text.split(",") if x]
-    if not budgets or any(b <= 0 or (isinstance(b, float) and b > 1) for b in budgets):
-        raise ValueError(text)
-    return budgets
-
-
-def parse_counts(text: str, allow_none: bool = False) -> list[int]:
-    counts = [int(x) for x in text.split(",") if x.strip()]
-    if (not counts and not allow_none) or any(n < 1 for n in counts):
-        raise ValueError(text)
-    return counts
-
-
-def parse_shares(text: str) -> list[float]:
-    shares = [float(x) for x in text.split(",") if x.strip()]
-    if not shares or any(not 0 < x <= 1 for x in shares):
-        raise ValueError(text)
-    return shares
-
-
-def parse_serve_configs(text: str) -> list[tuple[int, int]]:
-    configs = [tuple(parse_counts(c.replace("x", ","))) for c in text.split(",") if c]
-    if not configs or any(len(c) != 2 for c in configs):
-        raise ValueError(text)
-    return configs
 
 
 # Flags whose value must be a whole number from 1, or from 0 (where 0 means none).
@@ -96,13 +69,8 @@ _LISTS: dict[str, tuple[Callable[[str], object], str]] = {
 def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse in one line, before anything loads, a value no comparison can run with
     (they failed after the model loaded, with a traceback, or ran for hours)."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    for name in _FROM_ONE + _FROM_ZERO:
-        value, least = getattr(args, name), 1 if name in _FROM_ONE else 0
-        if value is not None and value < least:
-            p.error(f"{flag(name)} {value}: must be a whole number from {least}")
+    refuse_below(p, args, _FROM_ONE, 1)
+    refuse_below(p, args, _FROM_ZERO, 0)
     for name, (parse, takes) in _LISTS.items():
         try:
             parse(getattr(args, name))

@@ -32,6 +32,8 @@ import torch  # noqa: E402
 from h2o_chat import ChatSession, cache_from_config, load_model  # noqa: E402
 from h2o_chat.config import load_config  # noqa: E402
 
+from .options import parse_counts, refuse_below  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is a heavy hitter?",
              "Explain recursion to a child.", "Name three rivers in Europe.", "How do bees make honey?",
@@ -136,15 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch threads of each side (default: the config's)")
     args = parser.parse_args(argv)
     try:
-        counts = [int(n) for n in args.clients.split(",")]
+        counts = parse_counts(args.clients)
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1 or max(counts) > 64:
+    if not counts or max(counts) > 64:
         parser.error(f"--clients {args.clients!r}: must be a comma list of whole numbers from 1 to 64 "
                      "(server.max_concurrent_generations)")
-    for name in ("tokens", "repeats", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}: must be a whole number from 1")
+    refuse_below(parser, args, ("tokens", "repeats", "threads"), 1)
     config = load_config()
     if args.threads:
         config.model.threads = args.threads
