@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     model_id = config.model.source or Path(EMBEDDED_GGUF).stem  # as API clients name it
     name = config.model.source or f"{model_id} (embedded)"
     provider = ModelProvider(lambda: load_model(config.model), name,
-                             Admission(config.server.max_concurrent_generations), config.cache).start()
+                             Admission(config.server.max_concurrent_generations), config.cache,
+                             config.server.max_cache_mb).start()
     app = create_app(provider, model_id, config, build_app(provider, config))
     print(f"h2o-chat: loading {name} in the background; the page works meanwhile.", flush=True)
     try:

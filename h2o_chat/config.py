@@ -123,6 +123,10 @@ class ServerConfig:
     # past this count is refused. Each holds its caches (a budget of up to the model's
     # context), so this bounds what pages can make the server hold.
     max_page_conversations: int = 32
+    # What every conversation's caches (pages and API together) may hold, in megabytes. A
+    # turn whose caches could pass it is refused; idle API conversations are freed first.
+    # A bounded cache stops at its budget; a full one grows with its conversation.
+    max_cache_mb: int = 4096
     # Connections open at once (pages, API clients, streams); more get 503 until some
     # close. A client that goes silent for send_timeout_s while it owes a request (its
     # head, or the rest of its body), or whose body comes slower than 1 KB/s on average
@@ -242,6 +246,7 @@ _RULES: dict[str, _Rule] = {
     "server.idle_release_minutes": _Rule(lambda v: 0 < v <= 7 * 24 * 60,
                                          "must be a number of minutes > 0 and <= 10080 (a week)"),
     "server.max_page_conversations": _int_between(1, 4096),
+    "server.max_cache_mb": _int_between(1, 1_048_576),
     "server.max_connections": _int_between(8, 1_000_000),
     "server.send_timeout_s": _Rule(lambda v: 0 < v <= 3600, "must be a number of seconds > 0 and <= 3600"),
     "server.username": _Rule(lambda v: v.strip() != "", "must be a non-empty string"),

@@ -106,11 +106,13 @@ class FidelityProbe:
         # What the bounded cache holds before the next pass: the tokens its query can see.
         self._held_at = (self.session.fed, held_positions(self.session.cache))
         self.session.observer = self.observe
+        self.session.followers = (self.shadow,)
         return self
 
     def detach(self) -> None:
         if self.session.observer == self.observe:
             self.session.observer = None
+            self.session.followers = ()
 
     def observe(self, tokens: list[int], start: int, end: int, logits: torch.Tensor) -> None:
         """The session just fed ``tokens[start:end]`` and predicted from ``logits``."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .admission import Admission
+from .cache_memory import MB, CacheMemory
 from .config import CacheConfig, ConfigError, ServerConfig
 from .engine.build import cache_from_config
 
@@ -28,6 +29,7 @@ class LoadedModel:
     layers: int
     kv_heads: int
     load_seconds: float
+    memory: CacheMemory  # what every conversation's caches on it hold, under the server's limit
 
 
 class ModelProvider:
@@ -36,12 +38,15 @@ class ModelProvider:
     at once on the model, over the page and the API together. ``cache``, the server's
     cache settings, is checked against the model as soon as it is loaded: settings it
     cannot hold (a budget past its context) make the model unavailable, with the
-    config's message, rather than every turn failing."""
+    config's message, rather than every turn failing. ``memory`` counts the bytes every
+    conversation's caches hold, page and API together, under ``server.max_cache_mb``."""
 
     def __init__(self, loader: Callable[[], tuple[Any, Any]], name: str,
-                 admission: Admission | None = None, cache: CacheConfig | None = None) -> None:
+                 admission: Admission | None = None, cache: CacheConfig | None = None,
+                 max_cache_mb: int = ServerConfig.max_cache_mb) -> None:
         self._loader, self._name, self._cache = loader, name, cache
         self.admission = admission or Admission(ServerConfig.max_concurrent_generations)
+        self.memory = CacheMemory(max_cache_mb * MB)
         self._done = threading.Event()
         self._loaded: LoadedModel | None = None
         self._error: BaseException | None = None
@@ -64,6 +69,7 @@ class ModelProvider:
                 layers=config.num_hidden_layers,
                 kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                 load_seconds=time.monotonic() - self._started,
+                memory=self.memory,
             )
         except BaseException as err:  # shown on the page and raised to every handler
             self._error = err

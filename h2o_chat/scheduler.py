@@ -239,7 +239,9 @@ def _work(scheduler_ref: weakref.ref) -> None:
             return
         if step:
             scheduler._run(step)
-        del scheduler  # not held while idle, so it can be freed
+        # Neither held while idle: the scheduler can be freed, and so can the caches of
+        # the turns just ended, which the server counts until they are.
+        del scheduler, step
 
 
 def _give_up(generation: Generation) -> None:

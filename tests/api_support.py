@@ -35,7 +35,8 @@ def api_config(**server) -> AppConfig:
 def serving(model_and_tokenizer, config: AppConfig) -> Iterator[str]:
     """The API on a free port; yields its base URL (``http://127.0.0.1:PORT``)."""
     provider = ModelProvider(lambda: model_and_tokenizer, MODEL_ID,
-                             Admission(config.server.max_concurrent_generations), config.cache).start()
+                             Admission(config.server.max_concurrent_generations), config.cache,
+                             config.server.max_cache_mb).start()
     try:
         provider.get()
     except RuntimeError:

@@ -108,6 +108,19 @@ class ConversationStore:
         if messages is None:
             self._released()
 
+    def drop_least_recent(self) -> bool:
+        """Free the least recently used idle conversation, to make room for a turn in the
+        server's cache memory (its client's next request builds it again); False when
+        every conversation is busy."""
+        with self._lock:
+            idle = next((c for c in self._items.values() if not c.busy), None)
+            if idle is not None:
+                del self._items[idle.owner, idle.id]
+        if idle is None:
+            return False
+        self._released()
+        return True
+
     def conversations(self) -> list[Conversation]:
         with self._lock:
             self._drop_idle()

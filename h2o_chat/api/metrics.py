@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from h2o_chat.admission import Admission
+from h2o_chat.cache_memory import CacheMemory
 from h2o_chat.scheduler import BatchScheduler
 
 from .conversations import Conversation
@@ -78,11 +79,16 @@ class _AdmissionCollector(Collector):
 
 class Metrics:
     """``conversations`` lists the kept API conversations; ``scheduler`` gives the model's
-    scheduler, None while the model loads; ``admission`` is the model's one admission."""
+    scheduler, None while the model loads; ``admission`` is the model's one admission and
+    ``memory`` the ledger of its caches' bytes."""
 
     def __init__(self, conversations: Callable[[], list[Conversation]],
-                 scheduler: Callable[[], BatchScheduler | None], admission: Admission) -> None:
+                 scheduler: Callable[[], BatchScheduler | None], admission: Admission,
+                 memory: CacheMemory) -> None:
         self.registry = registry = CollectorRegistry()
+        Gauge("h2o_chat_cache_memory_bytes", "Bytes every conversation's caches hold, page and API: at "
+              "rest what they hold, during a turn the most they may reach (at most server.max_cache_mb)",
+              registry=registry).set_function(lambda: memory.held)
         self.requests = Counter("h2o_chat_requests", "API requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
         self.generated_tokens = Counter("h2o_chat_generated_tokens", "Tokens generated",

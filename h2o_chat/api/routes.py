@@ -45,9 +45,10 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     be loading). ``released`` runs after kept conversations are freed."""
     server = config.server
     store = ConversationStore(server.api_max_conversations, server.idle_release_minutes * 60, released)
+    provider.memory.add_reclaimer(store.drop_least_recent)  # a kept conversation is rebuilt if it returns
     metrics = Metrics(store.conversations,
                       lambda: scheduler_for(provider.get().model) if provider.ready else None,
-                      provider.admission)
+                      provider.admission, provider.memory)
     turns = TurnRunner(provider, config, metrics, store)
     authorize = _authorizer(server.api_key, login=server.username is not None)
     max_body = server.api_max_request_mb * 2**20

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from h2o_chat import ChatSession
 from h2o_chat.admission import Admission, Ticket
+from h2o_chat.cache_memory import CacheMemoryFull
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits
 from h2o_chat.sessions import SessionStats, chat_session
@@ -254,7 +255,7 @@ class TurnRunner:
         turns = history[1:] if system is not None else history
         session = chat_session(model, tokenizer, cache, system_prompt=system,
                                history=[{"role": m.role, "content": m.content} for m in turns],
-                               limits=InputLimits.of(self.config.server))
+                               limits=InputLimits.of(self.config.server), memory=self.provider.memory)
         for index, message in enumerate(turns):
             if message.pin:  # its own tokens, not yet fed: nothing evicted, and never pinned twice
                 session.pin_history(index)
@@ -300,6 +301,8 @@ def _unavailable(why: str) -> APIError:
 def _as_api_error(err: BaseException) -> APIError:
     if isinstance(err, APIError):
         return err
+    if isinstance(err, CacheMemoryFull) and err.now:  # other conversations hold the room
+        return APIError(503, str(err), param=err.field, code="cache_memory_full", headers={"Retry-After": "5"})
     if isinstance(err, InputError):  # the session's own checks refused it
         return APIError(400, str(err), param=err.field, code="invalid_value")
     if isinstance(err, ValueError):

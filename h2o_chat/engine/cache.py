@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .budget import ByteBudget
+from .budget import ByteBudget, token_bytes, window_bytes
 from .layer import H2OLayer
 from .memory import return_freed_memory
 from .policies import EvictionPolicy
@@ -274,6 +274,26 @@ class H2OCache(CacheStateMixin, Cache):
                 if layer.is_initialized:
                     layer.pinned.copy_(self.spans.contains(layer.positions))
 
+    def peak_bytes(self, model: torch.nn.Module, tokens: int, chunk: int, pinning: int = 0) -> int:
+        """The most bytes this cache's buffers take while it reads up to ``tokens`` tokens
+        in all, ``chunk`` at a time, ``pinning`` more of them pinned: a bounded cache its
+        budget and pins (it decodes in buffers of that size whatever it holds), and one
+        chunk read on top before it evicts; one that never evicts twice what it reads,
+        since its buffers double as they grow. Either has the decode room on top, which
+        the decode step's rows may give it."""
+        capacity = self.policy.capacity
+        if capacity is None:
+            slots = 2 * tokens
+        else:
+            budget = capacity + self.spans.covered() + pinning
+            slots = max(budget, min(tokens, budget + chunk))
+        slots += DECODE_ROOM
+        return window_bytes(model, self.storage) + slots * token_bytes(model, self.storage, self.rolling)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every layer's buffers, room for incoming tokens included."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
     def stats(self) -> CacheStats:
         capacity = self.policy.capacity
         first = self.layers[0]
@@ -287,7 +307,7 @@ class H2OCache(CacheStateMixin, Cache):
             )
             for layer in self.layers
         ]
-        kv_bytes = sum(layer.allocated_bytes() for layer in self.layers)
+        kv_bytes = self.allocated_bytes()
         held_bytes = sum(
             t.numel() * t.element_size()
             for layer in self.layers

@@ -124,6 +124,8 @@ class DecodeStep:
         captured over a pool that empties go with it (an idle server holds no step)."""
         if self._batch is not None:
             self._batch.let_go(cache)
+            if not any(self._batch.members):  # its last row: nothing to go on from
+                self._batch = None  # nor to keep the ended rows' caches alive
         found = self._rows.pop(cache, None)
         if found is None:
             return

@@ -13,11 +13,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..cache_memory import CacheMemory
 from ..config import CacheConfig
 from ..engine.build import cache_from_config, model_context
 from ..engine.cache import H2OCache
@@ -75,6 +76,7 @@ class Session:
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
+        memory: CacheMemory | None = None,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size = {prefill_chunk_size}: must be >= 1")
@@ -108,6 +110,14 @@ class Session:
         # the token list, the span [start, end) of it just fed and the logits of its last
         # token; e.g. a fidelity probe feeding the same tokens to a second cache.
         self.observer: PassObserver | None = None
+        # Caches the observer feeds the same tokens (a fidelity probe's full shadow): a
+        # turn's room in ``memory`` covers them too.
+        self.followers: tuple[H2OCache, ...] = ()
+        # The server's ledger of cache bytes, which refuses a turn its caches would pass
+        # (None: no limit, e.g. a session used from Python on its own).
+        self.memory = memory
+        if memory is not None:
+            memory.track(self.cache)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -124,7 +134,8 @@ class Session:
         with self.between_turns("prefill"):
             self._stop = threading.Event()  # a Stop of the last turn must not cut this short
             if self.fed < len(self.tokens):
-                self._feed_unfed()
+                with self._room(0, 0):
+                    self._feed_unfed()
 
     def stats(self) -> SessionStats:
         """The numbers now; safe from any thread, also while a turn runs."""
@@ -152,6 +163,8 @@ class Session:
         """Take a saved conversation's exact tokens, of which the cache (restored by the
         caller) has seen ``tokens[:fed]``."""
         self.tokens, self.fed = tokens, fed
+        if self.memory is not None:
+            self.memory.track(self.cache)
 
     @property
     def can_continue(self) -> bool:
@@ -270,6 +283,25 @@ class Session:
                 "conversation, or turn on rolling positions (cache.rolling), with which one goes on past it",
                 "messages")
 
+    def check_memory(self, new_tokens: int, reply_tokens: int, pinned: int = 0) -> None:
+        """Refuse (``CacheMemoryFull``) a turn that would feed ``new_tokens`` more, ``pinned``
+        of them pinned, and generate up to ``reply_tokens``, if its caches would not fit
+        in the server's cache memory now."""
+        if self.memory is not None:
+            self.memory.check(self._needs(new_tokens + reply_tokens, pinned))
+
+    def _room(self, more_tokens: int, pinned: int) -> AbstractContextManager[None]:
+        """The turn's room in the server's cache memory, while it runs (see ``check_memory``)."""
+        return nullcontext() if self.memory is None else self.memory.claim(self._needs(more_tokens, pinned))
+
+    def _needs(self, more_tokens: int, pinned: int) -> dict[H2OCache, int]:
+        """The most bytes each cache the turn feeds may reach, having read ``more_tokens``
+        after the conversation's."""
+        tokens = len(self.tokens) + more_tokens
+        chunk = self.prefill_chunk_size
+        return ({self.cache: self.cache.peak_bytes(self.model, tokens, chunk, pinned)}
+                | {cache: cache.peak_bytes(self.model, tokens, chunk) for cache in self.followers})
+
     def _generation(self, sampling: Sampling | None) -> Generation:
         """A runner's work on this conversation from where its cache stands."""
         return Generation(self.cache, self.tokens, self.fed, sampling, chunk=self.prefill_chunk_size,
@@ -348,6 +380,13 @@ class Session:
         if left is not None and left < sampling.max_new_tokens:  # the reply ends at the context
             sampling = replace(sampling, max_new_tokens=max(left, 1),
                                min_new_tokens=min(sampling.min_new_tokens, max(left, 1)))
+        # Refused here, the turn has changed nothing yet.
+        with self._room(len(new_tokens) + sampling.max_new_tokens, 0 if pin is None else pin[1] - pin[0]):
+            yield from self._generate_in_room(new_tokens, sampling, pin, extend, reply_required)
+
+    def _generate_in_room(self, new_tokens: list[int], sampling: Sampling, pin: tuple[int, int] | None,
+                          extend: bool, reply_required: bool) -> Iterator[str]:
+        length = len(self.tokens)
         before = (self.reply, self.finish_reason)
         self.tokens.extend(new_tokens)
         self.reply = list(self.reply) if extend else []

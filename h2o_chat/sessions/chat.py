@@ -7,6 +7,7 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
+from ..cache_memory import CacheMemory
 from ..config import CacheConfig, GenerationConfig
 from ..engine.build import cache_from_config
 from ..engine.cache import H2OCache
@@ -43,8 +44,9 @@ class ChatSession(Session):
         history: Sequence[Mapping[str, str]] = (),
         limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
+        memory: CacheMemory | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner, memory)
         if tokenizer.chat_template is None:
             raise ValueError("this tokenizer has no chat template: use StorySession for plain text")
         system_prompt, history = check_conversation(system_prompt, history, self.limits)
@@ -95,17 +97,23 @@ class ChatSession(Session):
         once set, ends the turn (set before it begins, nothing is fed). A turn stopped
         (or failed) before the reply's first token is taken back: the conversation is
         as it was before the message."""
-        self.check_message(text)
-        return self._turn(text, Sampling(**sampling), pin, stop)
+        sampling = Sampling(**sampling)
+        self.check_message(text, sampling.max_new_tokens, pin)
+        return self._turn(text, sampling, pin, stop)
 
-    def check_message(self, text: str) -> None:
+    def check_message(self, text: str, reply_tokens: int = 0, pin: bool = False) -> None:
         """Refuse (InputError) a message ``send`` would refuse: empty, past the limits,
-        or leaving no room for a reply in the model's context."""
+        leaving no room for a reply in the model's context, or, with a reply of
+        ``reply_tokens``, more than the server's cache memory has room for now."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
-        if self.positions_left(0) is not None:  # rendered once more in the turn: cheap beside it
-            new_tokens = self._render_new(self.messages + [{"role": "user", "content": text}], True)[1]
+        if self.positions_left(0) is None and self.memory is None:
+            return
+        # Rendered once more in the turn: cheap beside it.
+        new_tokens = self._render_new(self.messages + [{"role": "user", "content": text}], True)[1]
+        if self.positions_left(0) is not None:
             self.check_room(len(new_tokens), "this message and a reply")
+        self.check_memory(len(new_tokens), reply_tokens, len(new_tokens) if pin else 0)
 
     def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:
@@ -118,6 +126,7 @@ class ChatSession(Session):
                              "the reply")
         sampling = Sampling(**sampling)
         self.check_room(0, "more of this reply")
+        self.check_memory(0, sampling.max_new_tokens)
         return self._continue(sampling, stop)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False,
@@ -198,12 +207,13 @@ class ChatSession(Session):
 
 def chat_session(model, tokenizer, settings: CacheConfig, *, system_prompt: str | None,
                  history: Sequence[Mapping[str, str]] = (), limits: InputLimits | None = None,
-                 cache: H2OCache | None = None) -> ChatSession:
+                 cache: H2OCache | None = None, memory: CacheMemory | None = None) -> ChatSession:
     """A chat as every door starts one: on a cache of ``settings`` (or on ``cache``, e.g.
-    the compare view's full one), read in ``settings``' prefill chunks."""
+    the compare view's full one), read in ``settings``' prefill chunks, its caches
+    counted in the server's ``memory``."""
     return ChatSession(model, tokenizer, cache=cache or cache_from_config(model, settings),
                        system_prompt=system_prompt, prefill_chunk_size=settings.prefill_chunk_size,
-                       history=history, limits=limits)
+                       history=history, limits=limits, memory=memory)
 
 
 # Private-use characters around an index: markers no real message is expected to contain.

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ..cache_memory import CacheMemory
 from ..config import CacheConfig
 from ..engine.cache import H2OCache
 from ..engine.state import SettingDifference, describe_differences, settings_differences
@@ -184,12 +185,13 @@ def load_session(
     kind: str | None = None,
     prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
     limits: InputLimits | None = None,
+    memory: CacheMemory | None = None,
 ) -> ChatSession | StorySession:
     """Resume a saved session into ``cache``, a fresh cache whose settings (policy,
     budgets, rolling) must equal the file's (else ``SettingsMismatch``, naming each
     difference); a refused file (SnapshotError) leaves it fresh. ``kind`` ("chat" or
     "story") refuses the other kind; the last two arguments are the session's own (see
-    ``Session``), and the file must keep within ``limits``."""
+    ``Session``), and the file must keep within ``limits``; ``memory`` counts its cache."""
     limits = limits or InputLimits()
     manifest, payload = read_manifest(path, limits)
     if kind is not None and manifest.get("kind") != kind:
@@ -223,7 +225,7 @@ def load_session(
                                        _most_tokens(manifest, limits), limits, manifest.get("kind") == "chat")
             check_cache_state(cache_state, tensors, fed, len(tokens), cache, model, prefill_chunk_size)
             session = _new_session(manifest, model, tokenizer, cache, tokens,
-                                   dict(prefill_chunk_size=prefill_chunk_size, limits=limits))
+                                   dict(prefill_chunk_size=prefill_chunk_size, limits=limits, memory=memory))
         try:
             cache.load_state(tensors, cache_state, model.device)
         except (KeyError, TypeError, ValueError) as err:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..cache_memory import CacheMemory
 from ..config import CacheConfig
 from ..engine.cache import H2OCache
 from ..sampling import Sampling
@@ -32,8 +33,9 @@ class StorySession(Session):
         prefill_chunk_size: int = CacheConfig.prefill_chunk_size,
         limits: InputLimits | None = None,
         runner: BatchScheduler | TakeTurns | None = None,
+        memory: CacheMemory | None = None,
     ) -> None:
-        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner)
+        super().__init__(model, tokenizer, cache, prefill_chunk_size, limits, runner, memory)
         # The blank line that sets the bible off from the story (``bible_prefix``) is not
         # the writer's: the limit counts what they wrote.
         check_system_prompt(bible.removesuffix("\n\n"), self.limits, "the story bible")
@@ -61,8 +63,9 @@ class StorySession(Session):
         if pin and not text:
             raise InputError("nothing to pin: no new text to append", "the new story text")
         sampling = Sampling(**sampling)
-        self.check_room(len(self._encode(text)) if text and self.positions_left(0) is not None else 0,
-                        "this text and its continuation" if text else "a continuation")
+        new_tokens = len(self._encode(text)) if text else 0
+        self.check_room(new_tokens, "this text and its continuation" if text else "a continuation")
+        self.check_memory(new_tokens, sampling.max_new_tokens, new_tokens if pin else 0)
         return self._turn(text, sampling, pin, stop)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False,

@@ -42,7 +42,8 @@ class ChatState(ViewState):
     def _new_session(self, history: list[dict[str, str]]) -> ChatSession:
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         return chat_session(model, tokenizer, self.cache, system_prompt=self.system_prompt,
-                            history=history, limits=self.limits, cache=new_cache(model, self.cache))
+                            history=history, limits=self.limits, cache=new_cache(model, self.cache),
+                            memory=self.loaded.memory)
 
     def sessions(self) -> list[ChatSession]:
         return [self.session]

@@ -79,7 +79,7 @@ class CompareState(ViewState):
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         kv_cache = new_cache(model, self.cache) if side == BOUNDED else make_cache(model, "full")
         return chat_session(model, tokenizer, self.cache, system_prompt=self.system_prompt,
-                            history=history, limits=self.limits, cache=kv_cache)
+                            history=history, limits=self.limits, cache=kv_cache, memory=self.loaded.memory)
 
     def rebuild(self, side: str, history: list[dict[str, str]]) -> None:
         """Take ``side`` back to ``history``: a fresh cache, fed on the next send, as the

@@ -177,7 +177,7 @@ class FilesPanel:
         loaded = wait_for_model(self.tab.provider)
         session = load_session(path, loaded.model, loaded.tokenizer, new_cache(loaded.model, self._runs_with(cache)),
                                kind=self.kind, prefill_chunk_size=cache.prefill_chunk_size,
-                               limits=InputLimits.of(self.tab.server))
+                               limits=InputLimits.of(self.tab.server), memory=loaded.memory)
         state = self._new_state(loaded, cache, session)
         state.session = session
         close_state(values[self.tab.state])

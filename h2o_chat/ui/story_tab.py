@@ -57,7 +57,7 @@ class StoryState(ViewState):
                                     cache=new_cache(loaded.model, self.cache),
                                     bible=bible_prefix(bible),
                                     prefill_chunk_size=cache.prefill_chunk_size,
-                                    limits=limits)
+                                    limits=limits, memory=loaded.memory)
 
     def sessions(self) -> list[StorySession]:
         return [self.session]
