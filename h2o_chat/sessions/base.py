@@ -288,15 +288,15 @@ class Session:
         of them pinned, and generate up to ``reply_tokens``, if its caches would not fit
         in the server's cache memory now."""
         if self.memory is not None:
-            self.memory.check(self._needs(new_tokens + reply_tokens, pinned))
+            self.memory.check(self.cache_needs(new_tokens + reply_tokens, pinned))
 
     def _room(self, more_tokens: int, pinned: int) -> AbstractContextManager[None]:
         """The turn's room in the server's cache memory, while it runs (see ``check_memory``)."""
-        return nullcontext() if self.memory is None else self.memory.claim(self._needs(more_tokens, pinned))
+        return nullcontext() if self.memory is None else self.memory.claim(self.cache_needs(more_tokens, pinned))
 
-    def _needs(self, more_tokens: int, pinned: int) -> dict[H2OCache, int]:
-        """The most bytes each cache the turn feeds may reach, having read ``more_tokens``
-        after the conversation's."""
+    def cache_needs(self, more_tokens: int, pinned: int = 0) -> dict[H2OCache, int]:
+        """The most bytes each cache a turn feeds may reach, having read ``more_tokens``
+        after the conversation's, ``pinned`` of them pinned (``CacheMemory`` counts them)."""
         tokens = len(self.tokens) + more_tokens
         chunk = self.prefill_chunk_size
         return ({self.cache: self.cache.peak_bytes(self.model, tokens, chunk, pinned)}

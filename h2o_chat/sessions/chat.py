@@ -107,13 +107,20 @@ class ChatSession(Session):
         ``reply_tokens``, more than the server's cache memory has room for now."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
-        if self.positions_left(0) is None and self.memory is None:
-            return
-        # Rendered once more in the turn: cheap beside it.
-        new_tokens = self._render_new(self.messages + [{"role": "user", "content": text}], True)[1]
         if self.positions_left(0) is not None:
-            self.check_room(len(new_tokens), "this message and a reply")
-        self.check_memory(len(new_tokens), reply_tokens, len(new_tokens) if pin else 0)
+            self.check_room(self._new_tokens(text), "this message and a reply")
+        if self.memory is not None:
+            self.memory.check(self.message_needs(text, reply_tokens, pin))
+
+    def message_needs(self, text: str, reply_tokens: int, pin: bool = False) -> dict[H2OCache, int]:
+        """``cache_needs`` of a turn that sends ``text`` and generates up to ``reply_tokens``."""
+        new_tokens = self._new_tokens(text)
+        return self.cache_needs(new_tokens + reply_tokens, new_tokens if pin else 0)
+
+    def _new_tokens(self, text: str) -> int:
+        """The tokens a turn sending ``text`` appends (rendered once more in the turn:
+        cheap beside it)."""
+        return len(self._render_new(self.messages + [{"role": "user", "content": text}], True)[1])
 
     def continue_reply(self, stop: threading.Event | None = None, **sampling) -> Iterator[str]:
         """Stream more of the last reply, which max_new_tokens or ``stop()`` cut short:

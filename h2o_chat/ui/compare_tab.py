@@ -220,6 +220,9 @@ class CompareTab:
             try:
                 stop = self.swap.stop_event(values)
                 streams = {side: s.send(text, stop=stop, **sampling) for side, s in state.sides.items()}
+                # Each side fits alone; the two turns run at once, so they must fit together.
+                state.loaded.memory.check({cache: count for s in state.sides.values() for cache, count
+                                           in s.message_needs(text, sampling["max_new_tokens"]).items()})
             except ValueError as err:
                 raise Refusal(str(err)) from None
             state.turns += 1
@@ -256,6 +259,8 @@ class CompareTab:
                 stop = self.swap.stop_event(values)
                 streams = {side: state.sides[side].continue_reply(stop=stop, **sampling)
                            for side in state.cut_short()}
+                state.loaded.memory.check({cache: count for side in streams for cache, count
+                                           in state.sides[side].cache_needs(sampling["max_new_tokens"]).items()})
             except ValueError as err:
                 raise Refusal(str(err)) from None
             shown = {side: state.shown(side) for side in state.sides}  # without the chips
