@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import expect
 
 from .browser_support import DONE_TIMEOUT_MS, LONG_COUNTING_REPLY, configure, messages, open_tab, running_app
-from .failing_app import FAIL_MARK
+from .failing_app import FAIL_FIRST_MARK, FAIL_MARK
 
 STREAMING = "A reply is still streaming: press Stop (or Esc) first."
 FAILED = ("The reply failed: RuntimeError: injected failure mid-reply. The conversation keeps what "
@@ -59,6 +59,24 @@ def test_after_a_failed_reply_send_comes_back_in_every_view(page):
     page.fill("#compare-input textarea", f"{FAIL_MARK} Say something.")
     page.click("#compare-send")
     _failed_then_back(page, "#compare-send", "#compare-stop")
+
+
+def test_a_chat_reply_that_fails_before_its_first_token_gives_the_message_back(page):
+    """The session takes such a turn back (the conversation is as it was), so the page
+    puts the message back in its box, pin tick and all: lost, it would have to be typed
+    again (a turn refused by the cache memory as it begins fails so)."""
+    configure(page, max_new_tokens=8)
+    message = f"{FAIL_FIRST_MARK} Say something."
+    page.fill("#chat-input textarea", message)
+    page.check("#chat-pin-message input")
+    page.click("#chat-send")
+    failed = page.locator("[data-testid=toast-text]", has_text="The reply failed: RuntimeError: injected "
+                                                                "failure before the reply.")
+    expect(failed).to_have_count(1, timeout=DONE_TIMEOUT_MS)
+    expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+    expect(page.locator("#chat-input textarea")).to_have_value(message)
+    expect(page.locator("#chat-pin-message input")).to_be_checked()
+    assert messages(page, "chatbot", "user") == []
 
 
 def test_a_view_reset_while_its_reply_streams_is_refused(page):

@@ -286,9 +286,17 @@ class ChatTab:
         shown = state.shown() + [{"role": "user", "content": text}]
         box = {self.text: "", self.pin_message: False} if from_box else {}
         yield {self.state: state, self.chatbot: shown, self.ran_with: ran_with(sampling, state.cache)} | box
-        yield from self._stream(values, state, stream, sampling, shown)
+        back = {self.pin_message: values[self.pin_message]}
+        try:
+            yield from self._stream(values, state, stream, sampling, shown)
+        except gr.Error:
+            # Failed before its first token (refused as it began, say): the session took
+            # the turn back, so the message goes back to the box it came from.
+            if from_box and not state.closed and len(state.shown()) < len(shown):
+                yield {self.text: text} | back
+            raise
         if not state.closed and len(state.shown()) < len(shown):  # the session took it back
-            yield message_back(self.text, text) | {self.pin_message: values[self.pin_message]}
+            yield message_back(self.text, text) | back
 
     def _stream(self, values: dict, state: ChatState, stream: Iterator[str], sampling: dict,
                 shown: list[dict[str, str]], so_far: str = "") -> Iterator[dict]:
