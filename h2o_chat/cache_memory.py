@@ -4,7 +4,7 @@ The other limits count conversations and tokens, but a cache's bytes depend on i
 settings: a full cache grows with its conversation (388 MB at the embedded model's 8k
 context, float32), a bounded one stops at its budget. ``CacheMemory`` keeps, per cache,
 what it held when its last turn ended, and while a turn runs the most its caches may
-reach (``engine.budget.peak_bytes``). A turn is admitted only if that sum stays within
+reach (``H2OCache.peak_bytes``). A turn is admitted only if that sum stays within
 the limit; idle conversations that can be rebuilt (the API's) are freed first, least
 recently used first, before a turn is refused.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .engine.cache import H2OCache
@@ -42,8 +42,8 @@ def _mb(count: int) -> str:
 
 class CacheMemory:
     """The ledger of one model's caches under ``limit`` bytes (None: no limit, counted all
-    the same). ``reclaim`` callbacks each free one idle conversation that can be rebuilt
-    and say whether they freed one."""
+    the same). Each callback of ``add_reclaimer`` frees one idle conversation that can be
+    rebuilt, and says whether it freed one."""
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is not None and limit < 1:
