@@ -2,7 +2,7 @@
 
 The other limits count conversations and tokens, but a cache's bytes depend on its
 settings: a full cache grows with its conversation (388 MB at the embedded model's 8k
-context, float32), a bounded one stops at its budget. ``CacheMemory`` keeps, per cache,
+context, float32; megabytes here are 10^6 bytes, as for ``cache.budget_mb``), a bounded one stops at its budget. ``CacheMemory`` keeps, per cache,
 what it held when its last turn ended, and while a turn runs the most its caches may
 reach (``H2OCache.peak_bytes``). A turn is admitted only if that sum stays within
 the limit; idle conversations that can be rebuilt (the API's) are freed first, least
@@ -20,10 +20,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .config import MEGABYTE as MB  # as cache.budget_mb counts them
 from .engine.cache import H2OCache
 from .inputs import InputError
 
-MB = 1024 * 1024
 SETTING = "server.max_cache_mb"
 
 

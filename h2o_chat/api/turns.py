@@ -11,9 +11,11 @@ them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from h2o_chat.admission import Admission, Ticket
 from h2o_chat.cache_memory import CacheMemoryFull
 from h2o_chat.config import AppConfig
 from h2o_chat.inputs import InputError, InputLimits
+from h2o_chat.scheduler import stop_workers
 from h2o_chat.sessions import SessionStats, chat_session
 
 from .conversations import Conversation, ConversationStore
@@ -35,6 +38,21 @@ if TYPE_CHECKING:
     from h2o_chat.runtime import LoadedModel, ModelProvider
 
 log = logging.getLogger(__name__)
+
+# The threads of the turns under way (daemons: a turn never holds the process up).
+_turn_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register  # after the scheduler's hook is registered, so this one runs first
+def join_turns_at_exit() -> None:
+    """End every turn under way and wait for its thread: stopping the scheduler's workers
+    ends their generations as stopped, and each turn thread then finishes its turn (it
+    lets go of a conversation, freeing tensors). One still doing that as the interpreter
+    finalizes aborts the process, as a worker did (``scheduler.stop_workers``): an API
+    test that left a streamed reply at its end exited with status 134."""
+    stop_workers()
+    for thread in list(_turn_threads):
+        thread.join(timeout=30)
 
 
 @dataclass(frozen=True)
@@ -186,8 +204,10 @@ class TurnRunner:
             self.queue.leave(ticket)
             raise
         turn = Turn(conversation, arrived, self.metrics)
-        threading.Thread(target=self._run, args=(turn, request, ticket), name=f"turn-{conversation.id}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._run, args=(turn, request, ticket), name=f"turn-{conversation.id}",
+                                  daemon=True)
+        _turn_threads.add(thread)
+        thread.start()
         return turn
 
     def _run(self, turn: Turn, request: ChatRequest, ticket: Ticket) -> None:
