@@ -114,12 +114,8 @@ class ConversationStore:
         every conversation is busy."""
         with self._lock:
             idle = next((c for c in self._items.values() if not c.busy), None)
-            if idle is not None:
-                del self._items[idle.owner, idle.id]
-        if idle is None:
-            return False
-        self._released()
-        return True
+            self._drop([idle] if idle is not None else [])
+        return idle is not None
 
     def conversations(self) -> list[Conversation]:
         with self._lock:

@@ -107,10 +107,12 @@ class ChatSession(Session):
         ``reply_tokens``, more than the server's cache memory has room for now."""
         if is_blank(check_chat_turn(text, self.messages, self.limits)):
             raise InputError("message is empty: type something to send", "the message")
+        if self.positions_left(0) is None and self.memory is None:
+            return
+        new_tokens = self._new_tokens(text)
         if self.positions_left(0) is not None:
-            self.check_room(self._new_tokens(text), "this message and a reply")
-        if self.memory is not None:
-            self.memory.check(self.message_needs(text, reply_tokens, pin))
+            self.check_room(new_tokens, "this message and a reply")
+        self.check_memory(new_tokens, reply_tokens, new_tokens if pin else 0)
 
     def message_needs(self, text: str, reply_tokens: int, pin: bool = False) -> dict[H2OCache, int]:
         """``cache_needs`` of a turn that sends ``text`` and generates up to ``reply_tokens``."""
