@@ -16,6 +16,11 @@ from .failing_app import FAIL_FIRST_MARK, FAIL_MARK
 STREAMING = "A reply is still streaming: press Stop (or Esc) first."
 FAILED = ("The reply failed: RuntimeError: injected failure mid-reply. The conversation keeps what "
           "was generated before the failure; you can send again.")
+FAILED_FIRST = "The reply failed before it began: RuntimeError: injected failure before the reply; "
+MESSAGE_BACK = FAILED_FIRST + "the message is back in its box, and the conversation is as it was before it."
+# Gradio's mark on each output of an event that raised: a red "Error" pill over it, the
+# message box included.
+ERROR_PILL = "[data-testid=status-tracker] .error"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,7 @@ def _failed_then_back(page, send: str, stop: str) -> None:
     # Send is back: the steps chained on the failure (the swap back) have run, and none
     # showed the message again.
     assert page.locator("[data-testid=toast-text]").all_inner_texts() == [FAILED]
+    assert page.locator(ERROR_PILL).count() == 0
     expect(failed).to_have_count(0, timeout=60_000)
 
 
@@ -70,13 +76,47 @@ def test_a_chat_reply_that_fails_before_its_first_token_gives_the_message_back(p
     page.fill("#chat-input textarea", message)
     page.check("#chat-pin-message input")
     page.click("#chat-send")
-    failed = page.locator("[data-testid=toast-text]", has_text="The reply failed: RuntimeError: injected "
-                                                                "failure before the reply.")
+    failed = page.locator("[data-testid=toast-text]", has_text=MESSAGE_BACK)
     expect(failed).to_have_count(1, timeout=DONE_TIMEOUT_MS)
     expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
     expect(page.locator("#chat-input textarea")).to_have_value(message)
     expect(page.locator("#chat-pin-message input")).to_be_checked()
     assert messages(page, "chatbot", "user") == []
+    assert page.locator(ERROR_PILL).count() == 0
+    expect(failed).to_have_count(0, timeout=60_000)  # the next view's note stands alone
+
+
+def test_a_story_or_compare_reply_that_fails_before_its_first_token_keeps_the_text(page):
+    """The story box keeps the text the writer added (the session took it back with the
+    turn, so the box showed the story without it); compare gives its message back and
+    both sides stay as they were."""
+    configure(page, max_new_tokens=8)
+    open_tab(page, "Story")
+    story = f"Once upon a time there was a lighthouse. {FAIL_FIRST_MARK}"
+    page.fill("#story-text textarea", story)
+    page.click("#story-continue")
+    taken_back = FAILED_FIRST + "the story is as it was before it, and your text stays in its box."
+    failed = page.locator("[data-testid=toast-text]", has_text=taken_back)
+    expect(failed).to_have_count(1, timeout=DONE_TIMEOUT_MS)
+    expect(page.locator("#story-continue")).to_be_visible(timeout=30_000)
+    expect(page.locator("#story-text textarea")).to_have_value(story)
+    assert page.locator(ERROR_PILL).count() == 0
+    expect(failed).to_have_count(0, timeout=60_000)
+
+    open_tab(page, "Compare")
+    message = f"{FAIL_FIRST_MARK} Say something."
+    page.fill("#compare-input textarea", message)
+    page.click("#compare-send")
+    expect(page.locator("[data-testid=toast-text]", has_text=MESSAGE_BACK)).to_have_count(1, timeout=DONE_TIMEOUT_MS)
+    expect(page.locator("#compare-send")).to_be_visible(timeout=30_000)
+    expect(page.locator("#compare-input textarea")).to_have_value(message)
+    assert messages(page, "compare-bounded-chat", "user") == messages(page, "compare-full-chat", "user") == []
+    assert page.locator(ERROR_PILL).count() == 0
+    page.fill("#compare-input textarea", "Hello!")
+    page.click("#compare-send")
+    expect(page.locator("#compare-full-chat [data-testid=bot]")).to_have_count(1, timeout=DONE_TIMEOUT_MS)
+    expect(page.locator("#compare-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    assert messages(page, "compare-bounded-chat", "user") == messages(page, "compare-full-chat", "user") == ["Hello!"]
 
 
 def test_a_view_reset_while_its_reply_streams_is_refused(page):

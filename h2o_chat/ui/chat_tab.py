@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import gradio as gr
 
@@ -20,7 +20,7 @@ from .refusals import Refusal, refusing, warn
 from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import in_slot, message_back, stream_turn
+from .streaming import TurnEnd, in_slot, message_back, reply_failed, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
 )
@@ -250,7 +250,9 @@ class ChatTab:
             yield {self.state: state, self.chatbot: shown,
                    self.ran_with: ran_with(sampling, state.cache)}
             # The chunks extend the reply's text, which ends at its last whole character.
-            yield from self._stream(values, state, stream, sampling, shown[:-1], shown[-1]["content"])
+            failure = yield from self._stream(values, state, stream, sampling, shown[:-1], shown[-1]["content"])
+            if failure is not None and not state.closed:
+                reply_failed(failure)
 
     def on_undo(self, values: dict) -> dict:
         state = values[self.state]
@@ -286,34 +288,33 @@ class ChatTab:
         shown = state.shown() + [{"role": "user", "content": text}]
         box = {self.text: "", self.pin_message: False} if from_box else {}
         yield {self.state: state, self.chatbot: shown, self.ran_with: ran_with(sampling, state.cache)} | box
-        back = {self.pin_message: values[self.pin_message]}
-        try:
-            yield from self._stream(values, state, stream, sampling, shown)
-        except gr.Error:
-            # Failed before its first token (refused as it began, say): the session took
-            # the turn back, so the message goes back to the box it came from.
-            if from_box and not state.closed and len(state.shown()) < len(shown):
-                yield {self.text: text} | back
-            raise
-        if not state.closed and len(state.shown()) < len(shown):  # the session took it back
-            yield message_back(self.text, text) | back
+        failure = yield from self._stream(values, state, stream, sampling, shown)
+        if state.closed:
+            return
+        if len(state.shown()) < len(shown):
+            # Stopped or failed before its first token (refused as it began, say): the
+            # session took the turn back, so the message goes back to its box.
+            yield message_back(self.text, text, failure) | {self.pin_message: values[self.pin_message]}
+        elif failure is not None:
+            reply_failed(failure)
 
     def _stream(self, values: dict, state: ChatState, stream: Iterator[str], sampling: dict,
-                shown: list[dict[str, str]], so_far: str = "") -> Iterator[dict]:
+                shown: list[dict[str, str]], so_far: str = "") -> Generator[dict, None, TurnEnd]:
         """Stream a reply under ``shown``, its text ``so_far`` plus the chunks; at the end
-        the conversation as the session holds it, with the chip of a reply cut short."""
+        the conversation as the session holds it, with the chip of a reply cut short.
+        Returns the failure that ended it, if any."""
         limit = sampling["max_new_tokens"]
 
         def show(more: str) -> dict:
             return {self.chatbot: shown + [{"role": "assistant", "content": so_far + more}]}
 
-        yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
+        return (yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
             stream,
             show=show,
             views=lambda final: self.views(values, state, final),
             final=lambda: {self.chatbot: marked(state.shown(), state.session, limit)},
             closed=lambda: state.closed,
-        ), waiting=lambda note: show(f"*{note}*"))
+        ), waiting=lambda note: show(f"*{note}*")))
 
     def views(self, values: dict, state: ChatState, final: bool) -> dict:
         """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""

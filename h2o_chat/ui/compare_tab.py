@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import random
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import gradio as gr
 
@@ -27,7 +27,8 @@ from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import TEXT_INTERVAL_S, Interleaved, Throttle, in_slot, message_back, reply_failed
+from .streaming import (TEXT_INTERVAL_S, Interleaved, Throttle, TurnEnd, in_slot, log_failure, message_back,
+                        reply_failed)
 from .view_state import (
     Snapshot, ViewState, admit, browser_state, close_state, generating, not_streaming, wait_for_model,
 )
@@ -232,18 +233,21 @@ class CompareTab:
                    self.bounded_chat: shown[BOUNDED],
                    self.bounded_title: _title(state.labels[BOUNDED]),
                    self.ran_with: ran_with(sampling, state.cache)}
-            yield from self._stream(values, state, streams, sampling, shown, dict.fromkeys(streams, ""))
+            failure = yield from self._stream(values, state, streams, sampling, shown, dict.fromkeys(streams, ""))
             if state.closed:
                 return
             taken_back = [side for side in state.sides if len(state.shown(side)) < len(shown[side])]
             if taken_back:
-                # A Stop before a side's first token took its turn back; one that came
-                # between the sides' first tokens, not the other's: the two stay in step.
+                # A Stop (or a failure) before a side's first token took its turn back; one
+                # that came between the sides' first tokens, not the other's: the two stay
+                # in step.
                 for side in state.sides.keys() - taken_back:
                     state.rebuild(side, shown[side][:-1])
                 state.turns -= 1
                 yield ({self.bounded_chat: state.shown(BOUNDED), self.full_chat: state.shown(FULL)}
-                       | message_back(self.text, text))
+                       | message_back(self.text, text, failure))
+            elif failure is not None:
+                reply_failed(failure)
 
     def on_continue(self, values: dict) -> Iterator[dict]:
         """Both sides' replies go on where they were cut short (a side whose reply ended
@@ -268,8 +272,10 @@ class CompareTab:
                    self.ran_with: ran_with(sampling, state.cache)}
             # The chunks extend each reply's text, which ends at its last whole character.
             so_far = {side: shown[side][-1]["content"] for side in streams}
-            yield from self._stream(values, state, streams, sampling,
-                                    {side: shown[side][:-1] for side in shown}, so_far)
+            failure = yield from self._stream(values, state, streams, sampling,
+                                              {side: shown[side][:-1] for side in shown}, so_far)
+            if failure is not None and not state.closed:
+                reply_failed(failure)
 
     def _sampling(self, values: dict) -> dict:
         sampling = self.settings.sampling(values)
@@ -282,20 +288,21 @@ class CompareTab:
         state.fidelity_step = None  # a new reply: show its own worst step
 
     def _stream(self, values: dict, state: CompareState, streams: dict, sampling: dict,
-                shown: dict[str, list[dict]], so_far: dict[str, str]) -> Iterator[dict]:
+                shown: dict[str, list[dict]], so_far: dict[str, str]) -> Generator[dict, None, TurnEnd]:
         """``_replies`` once the turn holds a generation slot (both sides take one)."""
         def waiting(note: str) -> dict:
             return {chat: shown[side] + [{"role": "assistant", "content": f"*{note}*"}]
                     for side, chat in ((BOUNDED, self.bounded_chat), (FULL, self.full_chat))}
 
-        yield from in_slot(self.provider.admission, self.swap.stop_event(values),
-                           self._replies(values, state, streams, sampling, shown, so_far), waiting)
+        return (yield from in_slot(self.provider.admission, self.swap.stop_event(values),
+                                   self._replies(values, state, streams, sampling, shown, so_far), waiting))
 
     def _replies(self, values: dict, state: CompareState, streams: dict, sampling: dict,
-                 shown: dict[str, list[dict]], so_far: dict[str, str]) -> Iterator[dict]:
+                 shown: dict[str, list[dict]], so_far: dict[str, str]) -> Generator[dict, None, TurnEnd]:
         """Stream the replies of ``streams``' sides under ``shown``, each after its text
         ``so_far``; at the end both conversations as the sessions hold them, with the chip
-        of a reply cut short."""
+        of a reply cut short. Returns the failure that ended them, if any (as
+        ``stream_turn``)."""
         chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
         replies = dict(so_far)
         steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
@@ -306,10 +313,11 @@ class CompareTab:
             return ({chats[side]: marked(state.shown(side), session, limit) for side, session in state.sides.items()}
                     | self._views(values, state, final=True))
 
+        failure = None
         try:
             for side, chunk in steps:
                 if state.closed:
-                    return
+                    return None
                 replies[side] += chunk
                 update[chats[side]] = shown[side] + [{"role": "assistant", "content": replies[side]}]
                 if throttle.due():
@@ -318,12 +326,12 @@ class CompareTab:
                     continue
                 yield update
                 update = {}
-        except Exception as err:  # as ``stream_turn``: what the sessions hold, then the error
-            if not state.closed:
-                yield final()
-            raise reply_failed(err) from err
+        except Exception as err:  # as ``stream_turn``: the views show what the sessions hold
+            log_failure(err)
+            failure = err
         if not state.closed:
             yield final()
+        return failure
 
     def _views(self, values: dict, state: CompareState, final: bool) -> dict:
         """Both gauges, the divergence, at the end the per-turn plots, and (if live or at

@@ -20,7 +20,7 @@ from .pin_panel import PinPanel, warn_dropped_pins
 from .refusals import Refusal, refusing
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import in_slot, stream_turn
+from .streaming import in_slot, reply_failed, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
 )
@@ -151,14 +151,25 @@ class StoryTab:
             except ValueError as err:
                 raise Refusal(str(err)) from None
             yield {self.state: state, self.ran_with: ran_with(sampling, state.cache)}
+            held = len(state.session.tokens)
+
+            def final() -> dict:
+                # A turn that failed before its first token is taken back with the text
+                # it added, which stays in the box as the writer left it.
+                return {self.story: state.session.text if len(state.session.tokens) > held else story}
+
             # The story box is the user's text: the wait shows as a toast only.
-            yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
+            failure = yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
                 stream,
                 show=lambda added: {self.story: story + added},
                 views=lambda final: self.views(values, state, final),
-                final=lambda: {self.story: state.session.text},
+                final=final,
                 closed=lambda: state.closed,
             ), waiting=lambda note: unchanged(self.story))
+            if failure is None or state.closed:
+                return
+            reply_failed(failure, taken_back=None if len(state.session.tokens) > held else
+                         "the story is as it was before it, and your text stays in its box.")
 
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.

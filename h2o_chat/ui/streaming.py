@@ -3,6 +3,8 @@ pushes and sessions taking turns."""
 
 from __future__ import annotations
 
+import html
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -11,6 +13,11 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 import gradio as gr
 
 from h2o_chat.admission import Admission
+
+log = logging.getLogger(__name__)
+
+# What a turn's updates return: the failure that ended it, None where it ended well.
+TurnEnd = Exception | None
 
 # Map and gauges are pushed at most this often while tokens stream (text goes out on
 # every token): rendering them on every token would slow decoding on a small CPU.
@@ -25,10 +32,10 @@ MAP_INTERVAL_S = 1.0
 TEXT_INTERVAL_S = 0.25
 
 
-def in_slot(admission: Admission, stop: threading.Event, updates: Iterator[dict],
-            waiting: Callable[[str], dict]) -> Iterator[dict]:
-    """A turn's page ``updates``, run once the turn holds one of the model's generation
-    slots, which the API's requests take too (Gradio's own queue counts only the page's
+def in_slot(admission: Admission, stop: threading.Event, updates: Generator[dict, None, TurnEnd],
+            waiting: Callable[[str], dict]) -> Generator[dict, None, TurnEnd]:
+    """A turn's page ``updates`` (and what they return), run once the turn holds one of
+    the model's generation slots, which the API's requests take too (Gradio's own queue counts only the page's
     turns). While it waits, the note shows as a toast and as the update ``waiting(note)``.
     A Stop while it waits (``stop`` set) ends the wait; the turn then reads nothing and
     ends at once."""
@@ -43,7 +50,7 @@ def in_slot(admission: Admission, stop: threading.Event, updates: Iterator[dict]
             # alone, raised in this thread, waits for the loop's next wake-up (seconds).
             yield waiting(note)
             ticket.wait(stop)
-        yield from updates
+        return (yield from updates)
     finally:
         ticket.done()
 
@@ -96,18 +103,36 @@ class Interleaved:
         return next(self._streams[key], None)
 
 
-def message_back(box: gr.Textbox, text: str) -> dict:
-    """The update after a turn its session took back (stopped before the reply's first
-    token): the message back in ``box``, to send again or edit, and a note saying so."""
-    gr.Info("Stopped before the reply began: the message is back in its box, and the "
-            "conversation is as it was before it.")
+def message_back(box: gr.Textbox, text: str, failure: Exception | None = None) -> dict:
+    """The update after a turn its session took back (stopped, or failed, before the
+    reply's first token): the message back in ``box``, to send again or edit, and a note
+    saying so (a warning naming the ``failure``, if any)."""
+    back = "the message is back in its box, and the conversation is as it was before it."
+    if failure is None:
+        gr.Info(f"Stopped before the reply began: {back}")
+    else:
+        reply_failed(failure, taken_back=back)
     return {box: text}
 
 
-def reply_failed(err: Exception) -> gr.Error:
-    """What the page shows of a failure inside a turn, once the final views are out."""
-    return gr.Error(f"The reply failed: {type(err).__name__}: {err}. The conversation keeps what was "
-                    "generated before the failure; you can send again.")
+def reply_failed(failure: Exception, taken_back: str | None = None) -> None:
+    """The note of a reply that failed: once under way, the conversation keeps what it
+    generated; before its first token, the turn was ``taken_back`` (what became of it).
+    A warning, not a raised ``gr.Error``: that would mark every output of the event as
+    failed, the message box included (a red pill over the message given back to it),
+    where the views already show what the turn left."""
+    named = f"{type(failure).__name__}: {failure}"
+    if taken_back is None:
+        note = (f"The reply failed: {named}. The conversation keeps what was generated before the "
+                "failure; you can send again.")
+    else:
+        note = f"The reply failed before it began: {named}; {taken_back}"
+    gr.Warning(html.escape(note), title="Reply failed")
+
+
+def log_failure(failure: Exception) -> None:
+    """A failed reply, with its traceback, in the server's log: news to its operator."""
+    log.error("h2o-chat: a reply on the page failed", exc_info=failure)
 
 
 def stream_turn(
@@ -117,18 +142,20 @@ def stream_turn(
     final: Callable[[], dict],
     closed: Callable[[], bool],
     throttle: Throttle | None = None,
-) -> Iterator[dict]:
+) -> Generator[dict, None, TurnEnd]:
     """The updates of one streamed turn: ``show(text so far)`` on every chunk, plus
     ``views(final=False)`` (gauges, map) when the throttle lets them through, in step
     with the tokens; at the end ``final() | views(True)``. Stops quietly once ``closed()``
     (the view was reset meanwhile, so its outputs belong to someone else now). A failure
-    inside the turn becomes a ``gr.Error`` the page shows, after the final views."""
+    inside the turn ends it the same way and is returned, for the view to say what
+    became of the message (kept, or taken back with the turn)."""
     throttle = throttle or Throttle()
     text = ""
+    failure = None
     try:
         for chunk in stream:
             if closed():
-                return
+                return None
             text += chunk
             update = show(text)
             if throttle.due():
@@ -136,9 +163,9 @@ def stream_turn(
             yield update
     except Exception as err:
         # The session kept the partial reply (or took back a turn that produced nothing):
-        # show what it holds now, then the error, and the next turn starts from there.
-        if not closed():
-            yield final() | views(True)
-        raise reply_failed(err) from err
+        # the views show what it holds now, and the next turn starts from there.
+        log_failure(err)
+        failure = err
     if not closed():
         yield final() | views(True)
+    return failure
