@@ -8,8 +8,9 @@ reach (``H2OCache.peak_bytes``). A turn is admitted only if that sum stays withi
 the limit; idle conversations that can be rebuilt (the API's) are freed first, least
 recently used first, before a turn is refused.
 
-Counted are the caches' own buffers. A decode step's shared rows (``RowPool``) and the
-brief copy while buffers grow come on top, for the few turns generating at once.
+Counted are the caches' own buffers and what a decode step's shared rows (``RowPool``)
+hold beyond them (spare rows and slots, as of the last step: ``add_overhead``). The
+brief copy while buffers grow comes on top, for the few turns generating at once.
 """
 
 from __future__ import annotations
@@ -54,9 +55,15 @@ class CacheMemory:
         # with its conversation leaves the ledger with it.
         self._bytes: weakref.WeakKeyDictionary[H2OCache, int] = weakref.WeakKeyDictionary()
         self._reclaimers: list[Callable[[], bool]] = []
+        self._overheads: list[Callable[[], int]] = []
 
     def add_reclaimer(self, reclaim: Callable[[], bool]) -> None:
         self._reclaimers.append(reclaim)
+
+    def add_overhead(self, bytes_now: Callable[[], int]) -> None:
+        """Count ``bytes_now()`` too: memory the caches share that none of them counts
+        (a decode step's spare rows). Called under the ledger's lock: it must not wait."""
+        self._overheads.append(bytes_now)
 
     def track(self, cache: H2OCache) -> None:
         """Count what ``cache`` holds now (a cache restored from a file holds its slots
@@ -68,7 +75,7 @@ class CacheMemory:
     def held(self) -> int:
         """Bytes counted now: caches at rest, and the most of those in a turn."""
         with self._lock:
-            return sum(self._bytes.values())
+            return sum(self._bytes.values()) + self._overhead()
 
     def check(self, needs: dict[H2OCache, int]) -> None:
         """Refuse (``CacheMemoryFull``) a turn whose caches may reach ``needs`` bytes if it
@@ -124,7 +131,10 @@ class CacheMemory:
             return True
 
     def _others(self, needs: dict[H2OCache, int]) -> int:
-        return sum(count for cache, count in self._bytes.items() if cache not in needs)
+        return sum(count for cache, count in self._bytes.items() if cache not in needs) + self._overhead()
+
+    def _overhead(self) -> int:
+        return sum(bytes_now() for bytes_now in self._overheads)
 
 
 def _collect_garbage() -> bool:

@@ -15,6 +15,7 @@ from .admission import Admission
 from .cache_memory import MB, CacheMemory
 from .config import CacheConfig, ConfigError, ServerConfig
 from .engine.build import cache_from_config
+from .scheduler import scheduler_for
 
 
 class UnfitSettings(RuntimeError):
@@ -61,6 +62,7 @@ class ModelProvider:
         try:
             model, tokenizer = self._loader()
             self._check_settings(model)
+            self.memory.add_overhead(lambda scheduler=scheduler_for(model): scheduler.spare_bytes)
             config = model.config.get_text_config(decoder=True)
             self._loaded = LoadedModel(
                 model=model,

@@ -114,6 +114,12 @@ class BatchScheduler:
             self._changed.notify_all()
         return generation.stream()
 
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes the decode step's pools hold beyond their rows' caches (spare rows and
+        slots), as of its last step: the cache memory's ledger counts them too."""
+        return self._step.spare_bytes
+
     def load(self) -> int:
         """Generations under way now (arriving or running)."""
         with self._changed:

@@ -8,11 +8,15 @@ import gc
 
 import httpx
 import pytest
+import torch
 
 from h2o_chat.bench.client import read_metrics
 from h2o_chat.cache_memory import MB, CacheMemory, CacheMemoryFull
 from h2o_chat.config import CacheConfig, load_config
+from h2o_chat.engine.build import make_cache
+from h2o_chat.engine.step import DecodeStep
 from h2o_chat.fidelity import FidelityProbe
+from h2o_chat.scheduler import forward_one
 from h2o_chat.sessions import chat_session
 
 from .api_support import MODEL_ID, client, serving
@@ -172,3 +176,37 @@ def test_the_api_refuses_a_turn_past_the_limit_alone_with_400_and_one_others_hol
         error = busy.json()["error"]
         assert error["code"] == "cache_memory_full" and error["param"] == "server.max_cache_mb"
         assert error["message"].startswith("the server's caches hold ")
+
+
+def test_a_decode_step_s_spare_rows_are_counted_beside_its_rows_caches(smollm):
+    """A pool has rows and slots no conversation counts (room for rows to join, each row
+    as long as the longest): the ledger counts them too, so it holds what the pool holds."""
+    model, tokenizer = smollm
+    ids = tokenizer(LONG, add_special_tokens=False).input_ids
+    caches = []
+    with torch.inference_mode():
+        for length in (300, 200, 120):  # unlike lengths: rows as long as the longest
+            cache = make_cache(model, "h2o", heavy=128, recent=64, sink=4)
+            forward_one(model, cache, torch.tensor([ids[:length]]))
+            caches.append(cache)
+    step, memory = DecodeStep(), CacheMemory()
+    memory.add_overhead(lambda: step.spare_bytes)
+    step.join(caches, rows=8)  # room for eight rows, three taken
+    for cache in caches:
+        memory.track(cache)
+    (pool,) = step.pools
+    pool_bytes = sum(t.numel() * t.element_size() for t in pool.buffers.values())
+    assert step.spare_bytes == pool_bytes - sum(cache.allocated_bytes() for cache in caches) > pool_bytes // 2
+    assert memory.held == pool_bytes
+    # Room for the three caches as counted, not for the pool: a fourth turn is refused.
+    tight = CacheMemory(sum(cache.allocated_bytes() for cache in caches) + caches[2].allocated_bytes())
+    tight.add_overhead(lambda: step.spare_bytes)
+    for cache in caches:
+        tight.track(cache)
+    with pytest.raises(CacheMemoryFull, match="the server's caches hold "):
+        tight.check({make_cache(model, "h2o", heavy=128, recent=64, sink=4): caches[2].allocated_bytes()})
+    for cache in caches:  # their turns end: the pool lets go of every buffer
+        step.release(cache)
+        memory.track(cache)
+    assert step.spare_bytes == 0 and not pool.buffers
+    assert memory.held == sum(cache.allocated_bytes() for cache in caches)

@@ -59,6 +59,10 @@ class RowPool:
         # CUDA graph of the decode step) is stale then.
         self.generation = 0
         self._members: list[weakref.ref[H2OCache]] = []  # by row
+        # Bytes of the buffers no member's slots take (spare rows, each row's slots past
+        # its member's), recounted whenever rows or buffers change; the members' own are
+        # theirs to count (``H2OCache.allocated_bytes``).
+        self.spare_bytes = 0
 
     def __len__(self) -> int:
         return len(self._members)
@@ -110,6 +114,7 @@ class RowPool:
         # pool's whole size of freed buffers in the process); handed back one by one, the
         # join never holds the pool and all of them at once.
         return_freed_memory()
+        self._recount()
         return len(self._members) - 1
 
     def give_room(self, row: int, slots: int) -> None:
@@ -121,6 +126,7 @@ class RowPool:
         if slots > self.size:
             self._resize(self.room, max(slots, self.size + max(64, self.size // 16)), group)
         self._point(row, slots)
+        self._recount()
 
     def release(self, cache: H2OCache) -> None:
         """``cache`` leaves, into buffers of its own holding what its row holds. A cache
@@ -135,6 +141,7 @@ class RowPool:
                     group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
                 self._drop_row(row)
                 self._shrink()
+                self._recount()
                 return
 
     def _reserve(self, rows: int, size: int, like: SlotGroup) -> None:
@@ -186,6 +193,18 @@ class RowPool:
             if cache is None or not self._holds(cache, row):
                 self._drop_row(row)
         self._shrink()
+        self._recount()
+
+    def _recount(self) -> None:
+        """``spare_bytes`` from the buffers' and the members' views' shapes (no tensor
+        operation: a step's cost must not grow with its rows)."""
+        spare = sum(t.numel() * t.element_size() for t in self.buffers.values())
+        for member in self._members:
+            cache = member()
+            group = None if cache is None else cache.whole_group()
+            if group is not None:
+                spare -= sum(t.numel() * t.element_size() for t in group.buffers.values())
+        self.spare_bytes = spare
 
     def _holds(self, cache: H2OCache, row: int) -> bool:
         group = cache.whole_group()

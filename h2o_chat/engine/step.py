@@ -135,6 +135,12 @@ class DecodeStep:
             self._graphs.forget(pool.serial)
 
     @property
+    def spare_bytes(self) -> int:
+        """Bytes the pools hold beyond their rows' caches (``RowPool.spare_bytes``): read
+        from other threads, so from numbers the pools keep, not their buffers."""
+        return sum(pool.spare_bytes for pool in list(self._pools.values()))
+
+    @property
     def pools(self) -> list[RowPool]:
         return list(self._pools.values())
 
