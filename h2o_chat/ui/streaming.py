@@ -127,7 +127,7 @@ def reply_failed(failure: Exception, taken_back: str | None = None) -> None:
                 "failure; you can send again.")
     else:
         note = f"The reply failed before it began: {named}; {taken_back}"
-    gr.Warning(html.escape(note), title="Reply failed")
+    gr.Warning(html.escape(note))
 
 
 def log_failure(failure: Exception) -> None:
