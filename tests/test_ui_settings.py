@@ -1,6 +1,7 @@
 """The settings panel's cache controls reach the caches of new chats, stories and compares."""
 
 import re
+from dataclasses import replace
 
 import gradio as gr
 import pytest
@@ -10,13 +11,13 @@ from h2o_chat.config import AppConfig, CacheConfig
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.engine.quant import KVStorage
 from h2o_chat.engine.state import settings_differences
-from h2o_chat.ui.chat_tab import ChatState
-from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState
+from h2o_chat.ui.chat_tab import ChatState, ChatTab
+from h2o_chat.ui.compare_tab import BOUNDED, FULL, CompareState, CompareTab
 from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.refusals import Refusal
 from h2o_chat.ui.reply_settings import ran_with
 from h2o_chat.ui.settings import MODEL_DTYPE, Settings, budget
-from h2o_chat.ui.story_tab import StoryState
+from h2o_chat.ui.story_tab import StoryState, StoryTab
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +225,21 @@ def test_a_replys_small_print_names_the_settings_it_ran_with():
     unseeded = ran_with(sampled | {"seed": None}, CacheConfig(policy="full"))
     assert (_small_print(unseeded)["seed"], _small_print(unseeded)["budget"]) == ("random", "unbounded")
     assert _small_print(ran_with(sampled, CacheConfig(budget_mb=1.5)))["budget"] == "1.5 MB"
+
+
+def test_the_idle_gauges_follow_only_settings_a_new_conversation_takes(smollm):
+    """Before a view's first message its gauge follows the settings, but not to a budget
+    the model cannot hold, which New chat (New story, Reset) then refuses: it showed a
+    heavy of 100,000 as the next chat's budget."""
+    provider = ModelProvider(lambda: smollm, "SmolLM2").start()
+    provider.get()
+    config = AppConfig()
+    with gr.Blocks():
+        settings = Settings(config)
+        views = [ChatTab(provider, settings, config), StoryTab(provider, settings, config),
+                 CompareTab(provider, settings, config)]
+    fits = CacheConfig(policy="h2o", heavy=16, recent=16, sink=4)
+    for view in views:
+        assert any('data-budget="36"' in str(shown) for shown in view.idle(fits).values())
+        with pytest.raises(Refusal, match="context"):
+            view.idle(replace(fits, heavy=100_000))

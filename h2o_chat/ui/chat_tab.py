@@ -163,12 +163,17 @@ class ChatTab:
               turn_inputs, outputs)
         gr.on([self.new.click, self.chatbot.clear], refusing(self.on_new, self.chatbot),
               {self.state, *self.settings.components}, outputs)
-        self.settings.follow(self.state, [self.gauge],
-                             lambda cache: {self.gauge: self.empty_gauge(cache)})
+        self.settings.follow(self.state, [self.gauge], self.idle)
         self.map.wire(self.state)
         self.files.wire(self, ChatState)
         self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
                        {self.map.live, *self.map.pickers}, [self.gauge, *self.map.outputs])
+
+    def idle(self, cache: CacheConfig) -> dict:
+        """The gauge before a chat starts, for settings New chat takes (a ``Refusal`` for
+        others: a budget past the model's context)."""
+        check_fits(self.provider.loaded_model, cache)
+        return {self.gauge: self.empty_gauge(cache)}
 
     def empty_gauge(self, cache: CacheConfig) -> str:
         """The gauge before a chat starts: the budget its cache will get."""

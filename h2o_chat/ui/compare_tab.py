@@ -198,7 +198,7 @@ class CompareTab:
               refusing(self.on_reset, self.full_chat), {self.state, *self.settings.components},
               self._outputs)
         self.settings.follow(self.state, [self.bounded_title, self.bounded_gauge],
-                             self._idle_bounded)
+                             self.idle)
         self.map.wire(self.state)
         self.fidelity.wire(self.state)
 
@@ -380,8 +380,10 @@ class CompareTab:
         state.divergences.append(f"<li>turn {turn}: {line}</li>")
         return "<b>Where the replies diverge</b><ul>" + "".join(state.divergences) + "</ul>"
 
-    def _idle_bounded(self, cache: CacheConfig) -> dict:
-        """The bounded side before its first message: title and gauge for ``cache``."""
+    def idle(self, cache: CacheConfig) -> dict:
+        """The bounded side before its first message: title and gauge for ``cache`` (a
+        ``Refusal`` for settings Reset refuses: a budget past the model's context)."""
+        check_fits(self.provider.loaded_model, cache)
         return {self.bounded_title: _title(bounded_label(cache)),
                 self.bounded_gauge: self._empty_gauge(cache)}
 
@@ -394,7 +396,7 @@ class CompareTab:
         cache = self.settings.cache(values)  # refused before anything closes, as Send refuses it
         check_fits(self.provider.loaded_model, cache)
         close_state(values[self.state])
-        return self._idle_bounded(cache) | {
+        return self.idle(cache) | {
             self.state: None, self.bounded_chat: [], self.full_chat: [], self.ran_with: NOTHING_YET,
             self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
             # An empty frame, not None: a plot set to None loses its chart element while

@@ -185,8 +185,9 @@ class Settings:
                show: Callable[[CacheConfig], dict]) -> None:
         """While a view has no session (``state`` holds None), ``show(cache)`` gives its
         updates for the cache settings as they change, so its gauge and labels tell the
-        budget its next session gets. Settings not valid yet (the user may be typing)
-        change nothing: sending says what is wrong."""
+        budget its next session gets. Settings not valid yet (the user may be typing), or
+        that the model cannot hold (``show`` refuses them), change nothing: sending says
+        what is wrong."""
         def changed(values: dict) -> dict:
             if values[state] is None:
                 try:

@@ -118,8 +118,7 @@ class StoryTab:
             outputs, **generating(self.server))
         self.swap.until([turn])
         self.new.click(refusing(self.on_new, self.story), {self.state, *self.settings.components}, outputs)
-        self.settings.follow(self.state, [self.gauge],
-                             lambda cache: {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))})
+        self.settings.follow(self.state, [self.gauge], self.idle)
         self.map.wire(self.state)
         self.files.wire(self, StoryState)
         self.pins.wire(self.state, lambda values, state: self.views(values, state, True),
@@ -170,6 +169,12 @@ class StoryTab:
                 return
             reply_failed(failure, taken_back=None if len(state.session.tokens) > held else
                          "the story is as it was before it, and your text stays in its box.")
+
+    def idle(self, cache: CacheConfig) -> dict:
+        """The gauge before a story starts, for settings New story takes (a ``Refusal``
+        for others: a budget past the model's context)."""
+        check_fits(self.provider.loaded_model, for_story(cache))
+        return {self.gauge: empty_gauge(GAUGE_LABEL, budget(cache))}
 
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
