@@ -87,7 +87,8 @@ class Metrics:
                  memory: CacheMemory) -> None:
         self.registry = registry = CollectorRegistry()
         Gauge("h2o_chat_cache_memory_bytes", "Bytes every conversation's caches hold, page and API: at "
-              "rest what they hold, during a turn the most they may reach (at most server.max_cache_mb)",
+              "rest what they hold, during a turn the most they may reach, with the decode step's spare "
+              "rows (at most server.max_cache_mb)",
               registry=registry).set_function(lambda: memory.held)
         self.requests = Counter("h2o_chat_requests", "API requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
