@@ -35,8 +35,8 @@ TEXT_INTERVAL_S = 0.25
 def in_slot(admission: Admission, stop: threading.Event, updates: Generator[dict, None, TurnEnd],
             waiting: Callable[[str], dict]) -> Generator[dict, None, TurnEnd]:
     """A turn's page ``updates`` (and what they return), run once the turn holds one of
-    the model's generation slots, which the API's requests take too (Gradio's own queue counts only the page's
-    turns). While it waits, the note shows as a toast and as the update ``waiting(note)``.
+    the model's generation slots, which the API's requests take too (Gradio's own queue
+    counts only the page's turns). While it waits, the note shows as a toast and as the update ``waiting(note)``.
     A Stop while it waits (``stop`` set) ends the wait; the turn then reads nothing and
     ends at once."""
     ticket = admission.request()
