@@ -361,3 +361,17 @@ def test_pin_panel_in_the_browser(page):
 
 def pin_list(page) -> dict[str, str]:
     return page.locator("#chat-pin-list .pins").evaluate("e => ({...e.dataset})")
+
+
+def test_the_pin_headline_counts_a_pin_inside_the_system_prompt_as_yours(smollm):
+    loaded = ModelProvider(lambda: smollm, "SmolLM2").start().get()
+    state = ChatState(loaded, load_config().cache, "Be brief and kind.")
+    "".join(state.session.send("Hello!", **GREEDY))
+    pin = state.session.pin("brief and kind")  # only in the system prompt
+    [fixed] = [p for p in state.session.pins() if p.fixed]
+    assert fixed.start <= pin.start < pin.end <= fixed.end
+    stats = state.session.cache.stats()
+    html = pins_html(state.session.pins(), stats)
+    assert stats.pinned == fixed.tokens  # the pin adds no slot: overlaps count once
+    assert f'data-fixed="{fixed.tokens}"' in html and f'data-yours="{pin.tokens}"' in html
+    assert f"({fixed.tokens} fixed, {pin.tokens} yours, overlaps counted once)" in html

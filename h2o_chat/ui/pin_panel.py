@@ -44,8 +44,8 @@ def pins_html(pins: Iterable[Pin], stats: CacheStats) -> str:
     """The pinned slots beside the cache budget, then one row per pin. The numbers are
     also ``data-*`` attributes, for tests and scripts."""
     pins = list(pins)
-    # Slots count tokens read so far; the fixed span (one per session) is all held.
-    fixed = sum(max(0, min(p.end, stats.seen) - p.start) for p in pins if p.fixed)
+    fixed = _slots([p for p in pins if p.fixed], stats.seen)
+    yours = _slots([p for p in pins if not p.fixed], stats.seen)
     capacity = None if stats.budget is None else stats.budget - stats.pinned
     if capacity is None:
         budget = "the full cache never evicts: pins matter only with an evicting policy"
@@ -63,10 +63,21 @@ def pins_html(pins: Iterable[Pin], stats: CacheStats) -> str:
              if pins else "<div>Nothing pinned.</div>")
     return (
         f'<div class="pins" data-pinned="{stats.pinned}" data-fixed="{fixed}" '
-        f'data-capacity="{"" if capacity is None else capacity}" data-count="{len(pins)}">'
-        f"<div><b>{stats.pinned}</b> pinned slots ({fixed} fixed, {stats.pinned - fixed} yours, "
+        f'data-yours="{yours}" data-capacity="{"" if capacity is None else capacity}" '
+        f'data-count="{len(pins)}">'
+        f"<div><b>{stats.pinned}</b> pinned slots ({fixed} fixed, {yours} yours, "
         f"overlaps counted once) {budget}</div>{table}</div>"
     )
+
+
+def _slots(pins: list[Pin], seen: int) -> int:
+    """Slots ``pins`` hold together: their tokens read so far, each once. Counted per
+    kind: ``pinned - fixed`` gave a pin of yours inside the system prompt none of yours,
+    while its row was listed."""
+    held = set()
+    for pin in pins:
+        held.update(range(pin.start, min(pin.end, seen)))
+    return len(held)
 
 
 def unpin_choices(pins: Iterable[Pin]) -> list[tuple[str, int]]:
