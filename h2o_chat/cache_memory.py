@@ -2,11 +2,12 @@
 
 The other limits count conversations and tokens, but a cache's bytes depend on its
 settings: a full cache grows with its conversation (388 MB at the embedded model's 8k
-context, float32; megabytes here are 10^6 bytes, as for ``cache.budget_mb``), a bounded one stops at its budget. ``CacheMemory`` keeps, per cache,
-what it held when its last turn ended, and while a turn runs the most its caches may
-reach (``H2OCache.peak_bytes``). A turn is admitted only if that sum stays within
-the limit; idle conversations that can be rebuilt (the API's) are freed first, least
-recently used first, before a turn is refused.
+context, float32; megabytes here are 10^6 bytes, as for ``cache.budget_mb``), a bounded
+one stops at its budget. ``CacheMemory`` keeps, per cache, what it held when its last
+turn ended, and while a turn runs the most its caches may reach (``H2OCache.peak_bytes``).
+A turn is admitted only if that sum stays within the limit; idle conversations that can
+be rebuilt (the API's) are freed first, least recently used first, before a turn is
+refused.
 
 Counted are the caches' own buffers and what a decode step's shared rows (``RowPool``)
 hold beyond them (spare rows and slots, as of the last step: ``add_overhead``). The

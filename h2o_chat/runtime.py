@@ -62,7 +62,8 @@ class ModelProvider:
         try:
             model, tokenizer = self._loader()
             self._check_settings(model)
-            self.memory.add_overhead(lambda scheduler=scheduler_for(model): scheduler.spare_bytes)
+            scheduler = scheduler_for(model)
+            self.memory.add_overhead(lambda: scheduler.spare_bytes)
             config = model.config.get_text_config(decoder=True)
             self._loaded = LoadedModel(
                 model=model,

@@ -273,12 +273,11 @@ class ChatTab:
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes, as Send refuses it
-        check_fits(self.provider.loaded_model, cache)
+        # Refused before anything closes, as Send refuses it.
+        idle = self.idle(self.settings.cache(values))
         close_state(values[self.state])
-        return {self.state: None, self.chatbot: [], self.ran_with: NOTHING_YET,
-                self.gauge: self.empty_gauge(cache),
-                **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
+        return idle | {self.state: None, self.chatbot: [], self.ran_with: NOTHING_YET,
+                       **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str, pin: bool | None = None,
               from_box: bool = True) -> Iterator[dict]:

@@ -393,10 +393,10 @@ class CompareTab:
     def on_reset(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes, as Send refuses it
-        check_fits(self.provider.loaded_model, cache)
+        # Refused before anything closes, as Send refuses it.
+        idle = self.idle(self.settings.cache(values))
         close_state(values[self.state])
-        return self.idle(cache) | {
+        return idle | {
             self.state: None, self.bounded_chat: [], self.full_chat: [], self.ran_with: NOTHING_YET,
             self.full_gauge: empty_gauge(FULL_LABEL, None), self.divergence: "",
             # An empty frame, not None: a plot set to None loses its chart element while

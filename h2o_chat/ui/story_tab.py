@@ -152,10 +152,13 @@ class StoryTab:
             yield {self.state: state, self.ran_with: ran_with(sampling, state.cache)}
             held = len(state.session.tokens)
 
-            def final() -> dict:
-                # A turn that failed before its first token is taken back with the text
-                # it added, which stays in the box as the writer left it.
-                return {self.story: state.session.text if len(state.session.tokens) > held else story}
+            def kept() -> bool:
+                """Whether the session kept the turn: one that failed before its first
+                token is taken back with the text it added."""
+                return len(state.session.tokens) > held
+
+            def final() -> dict:  # text taken back stays in the box as the writer left it
+                return {self.story: state.session.text if kept() else story}
 
             # The story box is the user's text: the wait shows as a toast only.
             failure = yield from in_slot(self.provider.admission, self.swap.stop_event(values), stream_turn(
@@ -167,7 +170,7 @@ class StoryTab:
             ), waiting=lambda note: unchanged(self.story))
             if failure is None or state.closed:
                 return
-            reply_failed(failure, taken_back=None if len(state.session.tokens) > held else
+            reply_failed(failure, taken_back=None if kept() else
                          "the story is as it was before it, and your text stays in its box.")
 
     def idle(self, cache: CacheConfig) -> dict:
@@ -179,12 +182,11 @@ class StoryTab:
     def on_new(self, values: dict) -> dict:
         # The running turn's updates would go on drawing the old conversation over the new.
         not_streaming(values[self.state])
-        cache = self.settings.cache(values)  # refused before anything closes, as Continue refuses it
-        check_fits(self.provider.loaded_model, for_story(cache))
+        # Refused before anything closes, as Continue refuses it.
+        idle = self.idle(self.settings.cache(values))
         close_state(values[self.state])
-        return {self.state: None, self.story: "", self.ran_with: NOTHING_YET,
-                self.gauge: empty_gauge(GAUGE_LABEL, budget(cache)),
-                **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
+        return idle | {self.state: None, self.story: "", self.ran_with: NOTHING_YET,
+                       **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def views(self, values: dict, state: StoryState, final: bool) -> dict:
         """Gauge, map (if live or ``final``) and, when ``final``, the pin list."""
