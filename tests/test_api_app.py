@@ -3,6 +3,7 @@ API asks for its key."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -15,14 +16,21 @@ from .browser_support import configure, messages, running_app, send
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def uploads(tmp_path_factory) -> Path:
+    """The folder the app's page writes uploads into (Gradio's temporary folder)."""
+    return tmp_path_factory.mktemp("uploads")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory, uploads):
     """One app with a login, an API key and 1 MB request limits, for the tests below in
     their order: the successful logins come before the failed ones, which the server
     remembers per address."""
     config = tmp_path_factory.mktemp("login") / "config.yaml"
     config.write_text("server:\n  max_request_mb: 1\n  api_max_request_mb: 1\n")
-    login = {"H2O_CHAT_USERNAME": "ann", "H2O_CHAT_PASSWORD": "s3cret", "H2O_CHAT_API_KEY": "k-123"}
-    with running_app("--config", str(config), env=login) as url:
+    login = {"H2O_CHAT_USERNAME": "ann", "H2O_CHAT_PASSWORD": "s3cret", "H2O_CHAT_API_KEY": "k-123",
+             "GRADIO_TEMP_DIR": str(uploads)}
+    with running_app("--config", str(config), env=login, log_path=uploads.parent / "app.log") as url:
         yield url
 
 
@@ -45,6 +53,42 @@ def test_the_page_and_the_api_share_one_port_each_with_its_own_login(url):
                              headers={"content-type": "multipart/form-data; boundary=x"})
     assert too_big.status_code == 413 and "server.max_request_mb" in too_big.text
     page_user.close()
+
+
+def _files(folder: Path) -> set[Path]:
+    return {path for path in folder.rglob("*") if path.is_file()}
+
+
+def test_an_upload_refused_or_left_half_sent_leaves_no_file_behind(url, uploads):
+    """The page streams uploads to disk; one over the limit, or one whose client hung up
+    midway, left its part on disk (QA: a file of up to the limit's size for each try, and
+    a traceback in the server's log for the one left half-sent)."""
+    multipart = {"content-type": "multipart/form-data; boundary=cut"}
+    head = b'--cut\r\nContent-Disposition: form-data; name="files"; filename="a.bin"\r\n\r\n'
+    with httpx.Client(base_url=url, timeout=60) as page_user:
+        assert page_user.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
+        kept = page_user.post("gradio_api/upload", files={"files": ("kept.txt", b"k" * 1000)})
+        assert kept.status_code == 200, kept.text
+        before = _files(uploads)
+        assert any(path.name == "kept.txt" for path in before)  # the folder uploads go to
+        chunked = page_user.post("gradio_api/upload", content=iter([head] + [b"x" * 2**18] * 6), headers=multipart)
+        assert chunked.status_code == 413 and "server.max_request_mb" in chunked.text
+        assert _files(uploads) == before
+        cookie = "; ".join(f"{name}={value}" for name, value in page_user.cookies.items())
+    port = int(url.rsplit(":", 1)[1].strip("/"))
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       b"Content-Type: multipart/form-data; boundary=cut\r\nContent-Length: 900000\r\n"
+                       b"Cookie: " + cookie.encode() + b"\r\n\r\n" + head + b"x" * 2**18)
+        deadline = time.monotonic() + 30
+        while _files(uploads) == before:  # the part being written
+            assert time.monotonic() < deadline, "the half-sent upload never reached the disk"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while _files(uploads) != before:  # the client left: its part goes
+        assert time.monotonic() < deadline, f"left behind: {_files(uploads) - before}"
+        time.sleep(0.05)
+    assert "Exception in ASGI application" not in (uploads.parent / "app.log").read_text()
 
 
 def test_the_login_page_logs_in_and_the_chat_answers(browser, url):

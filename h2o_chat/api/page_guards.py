@@ -14,6 +14,7 @@ from collections import OrderedDict
 from http.cookies import CookieError, SimpleCookie
 from typing import Any, Callable
 
+from starlette.formparsers import MultiPartException
 from starlette.middleware import Middleware
 
 from h2o_chat.config import ServerConfig
@@ -55,16 +56,25 @@ class RequestSizeLimit:
         if length is not None and length.isdigit() and int(length) > limit:
             await _answer(send, 413, refusal)
             return
-        received = 0
+        received, complete = 0, False
 
         def check(message: dict[str, Any]) -> None:
-            nonlocal received
+            nonlocal received, complete
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > limit:
-                    raise ReadRefused
+                    raise _UploadRefused(refusal) if upload else ReadRefused
+            elif upload and message["type"] == "http.disconnect" and not complete:
+                raise MultiPartException("the client left before its upload was whole")
 
         await read_guarded(self.app, scope, receive, send, check, lambda send: _answer(send, 413, refusal))
+
+
+class _UploadRefused(ReadRefused, MultiPartException):
+    """An upload's read refused, raised as its multipart parse failing: the parsers
+    (Gradio's, Starlette's) remove the files they began only then, so an upload refused
+    or left half-sent otherwise stayed on disk, up to the limit's size each time."""
 
 
 # Read (and taken away) by the page that Gradio's login form reloads (ui.reload_notice).
