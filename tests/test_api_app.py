@@ -43,6 +43,8 @@ def test_the_page_and_the_api_share_one_port_each_with_its_own_login(url):
     page_user = httpx.Client(base_url=url)
     assert page_user.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
     assert httpx.get(url + "v1/models").status_code == 401
+    # Any method: one no route names went on to the page's 404 (QA).
+    assert httpx.request("TRACE", url + "v1/models").status_code == 401
     client = OpenAI(base_url=url + "v1", api_key="k-123", max_retries=0, timeout=300)
     reply = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0)

@@ -63,6 +63,9 @@ def refusal(url, status, **request):
     ({"stop": [""]}, "stop", "stop[0] = '': must be a string of 1 to 256 characters"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed when stream is true"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens", "min_tokens = 5: must be an integer from 0 to max_tokens (2)"),
+    # Both names checked, whichever wins (QA: a bad max_tokens went unheard beside the other).
+    ({"max_completion_tokens": 3, "max_tokens": "bad"}, "max_tokens",
+     "max_tokens = 'bad': expected int, got str; must be an integer from 1 to 32768"),
     ({"max_completion_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens",
      "min_tokens = 5: must be an integer from 0 to max_completion_tokens (4)"),
     # Not an object, whatever it is: falsy values too.
@@ -81,7 +84,10 @@ def refusal(url, status, **request):
     ({"messages": USER + [{"role": "assistant", "content": "Hello"}]}, "messages[1].role",
      "messages[1].role = 'assistant': the last message must be the user's"),
     ({"messages": USER + [{"role": "system", "content": "x"}, *USER]}, "messages[1].role",
-     "messages[1].role = 'system': a system message may only come first"),
+     "messages[1].role = 'system': a system (or developer) message may only come first"),
+    # Named as sent (QA: a misplaced developer message was refused as 'system').
+    ({"messages": USER + [{"role": "developer", "content": "x"}, *USER]}, "messages[1].role",
+     "messages[1].role = 'developer': a system (or developer) message may only come first"),
     ({"messages": [{"role": "user", "content": " \n"}]}, "messages[0].content",
      "messages[0].content is empty: the user message needs some text"),
     # Zero-width spaces, direction marks and a byte-order mark show nothing either.
@@ -102,6 +108,11 @@ def refusal(url, status, **request):
      "tools is not supported by this server (plain chat only)"),
     # Not false: a number where a boolean or an object goes asks for something.
     ({"logprobs": 0}, "logprobs", "logprobs is not supported by this server (plain chat only)"),
+    # OpenAI's format is an object (QA: a bare "text" was taken).
+    ({"response_format": "text"}, "response_format",
+     'response_format must be an object such as {"type": "text"}, got a string'),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format.type = 'json_object': only 'text' is supported"),
     ({"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server (plain chat only)"),
     # Ignored, a penalty would change the reply without a word.
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty = 0.5: only 0 is supported by this "
@@ -179,8 +190,9 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
         client(url, KEY).models.retrieve("gpt-4")
     assert caught.value.body["message"] == f"the model 'gpt-4' does not exist; this server has {MODEL_ID!r}"
     headers = {"Authorization": f"Bearer {KEY}"}
+    # Methods no route names too (QA: TRACE and PROPFIND went past the key to the page's 404).
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1"), ("OPTIONS", "/v1/chat/completions"),
-                         ("HEAD", "/v1/nothing")):
+                         ("HEAD", "/v1/nothing"), ("TRACE", "/v1/models"), ("PROPFIND", "/v1")):
         response = httpx.request(method, url + path, headers=headers)
         assert response.status_code == 404, (method, path)
         if method != "HEAD":  # a HEAD reply has no body

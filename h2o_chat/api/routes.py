@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
+from starlette.routing import request_response
 from starlette.types import Receive, Scope, Send
 
 from h2o_chat.config import AppConfig, api_keys
@@ -33,11 +34,6 @@ from .schema import ChatRequest, parse_chat_request, short
 
 if TYPE_CHECKING:
     from h2o_chat.runtime import ModelProvider
-
-# What the unknown-endpoint route answers to (HEAD and OPTIONS too, else they would reach
-# the page's app and its reply).
-EVERY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-
 
 def create_api(provider: ModelProvider, name: str, config: AppConfig,
                released: Callable[[], None] = lambda: None) -> FastAPI:
@@ -146,14 +142,29 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
             return answered(request, Response(status_code=499))
         return answered(request, JSONResponse(reply.completion(*collected.result()), headers=headers))
 
-    @api.api_route("/v1", methods=EVERY_METHOD)
-    @api.api_route("/v1/{path:path}", methods=EVERY_METHOD)
-    async def unknown(request: Request, path: str = "") -> Response:
+    async def unknown(request: Request) -> Response:
         authorize(request)  # the key guards all of /v1: what exists is not told without it
-        raise APIError(404, f"no such endpoint: {request.method} /v1{'/' + path[:100] if path else ''}",
+        path = request.path_params.get("path", "")
+        raise APIError(404, f"no such endpoint: {request.method[:20]} /v1{'/' + path[:100] if path else ''}",
                        code="unknown_url")
 
+    # Every method: a method no route named (TRACE, PROPFIND) went on to the page mounted
+    # at / and its 404, past the key.
+    api.add_route("/v1", _EveryMethod(unknown))
+    api.add_route("/v1/{path:path}", _EveryMethod(unknown))
+
     return api
+
+
+class _EveryMethod:
+    """A request handler as an ASGI endpoint, whose route takes every method: Starlette
+    gives a route of a function only the methods it lists (GET unless told)."""
+
+    def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        self.app = request_response(handler)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
 
 
 def _authorizer(setting: str | None, login: bool) -> Callable[[Request], str]:

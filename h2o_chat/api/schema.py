@@ -154,10 +154,12 @@ def _generation(body: Mapping, name: str, default: Any, field: str | None = None
 
 
 def _max_tokens(body: Mapping, default: int) -> tuple[int, str]:
-    """The reply's token limit, and the field it came from."""
-    # max_completion_tokens is OpenAI's newer name; when both come, it wins, as there.
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _generation(body, name, default, field="max_new_tokens"), name
+    """The reply's token limit, and the field it came from. Both names are checked;
+    max_completion_tokens is OpenAI's newer name and wins when both come, as there."""
+    given = {name: _generation(body, name, default, field="max_new_tokens")
+             for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None}
+    name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+    return given.get(name, default), name
 
 
 def _seed(value: Any) -> int | None:
@@ -188,7 +190,10 @@ def _stops(value: Any) -> tuple[str, ...]:
 def _check_response_format(value: Any) -> None:
     if value is None:
         return
-    kind = value.get("type") if isinstance(value, Mapping) else value
+    if not isinstance(value, Mapping):
+        raise invalid("response_format", f"response_format must be an object such as "
+                                         f'{{"type": "text"}}, got {_json_type(value)}')
+    kind = value.get("type")
     if kind != "text":
         raise invalid("response_format", f"response_format.type = {short(kind)}: only 'text' is "
                                          "supported")
@@ -208,9 +213,9 @@ def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Mes
     except InputError as err:
         raise invalid(err.field, str(err)) from None
     for index, message in enumerate(messages[1:], start=1):
-        if message.role == "system":
-            raise invalid(f"messages[{index}].role", f"messages[{index}].role = 'system': a system "
-                                                     "message may only come first")
+        if message.role == "system":  # as sent: system or developer
+            raise invalid(f"messages[{index}].role", f"messages[{index}].role = {value[index]['role']!r}: "
+                                                     "a system (or developer) message may only come first")
     last = len(messages) - 1
     if messages[-1].role != "user":
         raise invalid(f"messages[{last}].role", f"messages[{last}].role = {messages[-1].role!r}: "
