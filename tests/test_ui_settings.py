@@ -225,6 +225,7 @@ def test_a_replys_small_print_names_the_settings_it_ran_with():
     unseeded = ran_with(sampled | {"seed": None}, CacheConfig(policy="full"))
     assert (_small_print(unseeded)["seed"], _small_print(unseeded)["budget"]) == ("random", "unbounded")
     assert _small_print(ran_with(sampled, CacheConfig(budget_mb=1.5)))["budget"] == "1.5 MB"
+    assert "up to 1 new token · " in ran_with(sampled | {"max_new_tokens": 1}, CacheConfig())
 
 
 def test_the_idle_gauges_follow_only_settings_a_new_conversation_takes(smollm):

@@ -47,6 +47,6 @@ def ran_with(sampling: dict[str, Any], cache: CacheConfig) -> str:
               "policy": cache.policy, "budget": cache_budget(cache)}
     data = " ".join(f'data-{name}="{html.escape(value)}"' for name, value in values.items())
     text = (f"Ran with temperature {values['temperature']} · top-p {values['top-p']} · "
-            f"seed {seed} · up to {values['max-new-tokens']} new tokens · "
+            f"seed {seed} · up to {values['max-new-tokens']} new token{'' if sampling['max_new_tokens'] == 1 else 's'} · "
             f"{cache.policy} cache, {values['budget']}")
     return f'<div class="ran-with" {data}>{html.escape(text)}</div>'
