@@ -266,7 +266,11 @@ class TurnRunner:
             stream.close()  # the session records the reply so far
         if text := stops.flush():
             turn.emit(Delta(text))
-        # A stop string or a client gone closed the stream early: the session says "stopped".
+        if session.finish_reason == "stopped" and not (stops.stopped or turn.cancelled.is_set()):
+            # Neither a stop string nor the client: the server, stopping, ended its worker.
+            # Reported as the reply's end ("stop"), a cut reply read as a whole one.
+            raise APIError(503, "the server is shutting down: this reply was cut short; send the request "
+                                "again once the server is back", code="server_shutting_down")
         return "length" if session.finish_reason == "length" else "stop"
 
     def _new_session(self, model, tokenizer, history: tuple[Message, ...]) -> ChatSession:
