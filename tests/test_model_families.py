@@ -90,7 +90,11 @@ def test_a_family_chats_as_plain_transformers_does(tmp_path, tokenizer, model_ty
         assert expected[0, len(prompt):].tolist() == reply
     ids = torch.tensor([session.tokens])
     with torch.no_grad():
-        torch.testing.assert_close(feed(model, make_cache(model, "full"), ids, 16), reference(ids).logits)
+        # float32 rounding, not the cache: the fused norms and stacked projections sum in
+        # another order than eager transformers, and how much that moves a logit depends
+        # on the CPU's matrix kernels (1.2e-5 on an AMD EPYC, within 1e-5 on an Intel Xeon).
+        torch.testing.assert_close(feed(model, make_cache(model, "full"), ids, 16), reference(ids).logits,
+                                   atol=1e-4, rtol=1e-4)
     bounded = ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=8, recent=8, sink=4))
     chat(bounded)
     stats = bounded.stats().cache
