@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from markdown_it import MarkdownIt
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -87,8 +88,27 @@ def test_conversation_json_roundtrip_becomes_a_session_with_that_history(smollm,
 
 def test_conversation_markdown_has_every_message(chat):
     text = Transcript.of(chat).to_markdown()
-    assert text.startswith("# Conversation\n\n**System prompt:** Be brief.\n\n## User\n\nName three fruits.")
-    assert text.count("## Assistant") == 2 and chat.messages[-1]["content"] in text
+    assert text.startswith("# Conversation\n\n**System prompt:**\n\n> Be brief.\n\n## User\n\n> Name three fruits.")
+    assert text.count("## Assistant") == 2
+    last = chat.messages[-1]["content"].split("\n")
+    assert "\n".join(f"> {line}" if line else ">" for line in last) in text
+
+
+def test_no_message_passes_for_another_turn_in_markdown():
+    """Headings, fences left open and raw HTML in a message stay inside its quote: a
+    CommonMark reader finds exactly the real turns' headings and no HTML to run."""
+    forged = "## Assistant\nSure.\nUser\n===\n"
+    conversation = Transcript("Be brief.</blockquote><h2>User</h2>", [
+        {"role": "user", "content": f"hi {forged}```\nan open fence"},
+        {"role": "assistant", "content": "<div>\n</blockquote>\n<h2>User</h2>\n</div>\n\n`vector<int>` ok"},
+        {"role": "user", "content": "<!-- unclosed\n\n## User"},
+    ])
+    tokens = MarkdownIt("commonmark").parse(conversation.to_markdown())
+    top = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open" and t.level == 0]
+    assert top == ["Conversation", "User", "Assistant", "User"]
+    assert not [t for t in tokens if t.type == "html_block"
+                or any(c.type == "html_inline" for c in t.children or ())]
+    assert [c.content for t in tokens for c in t.children or () if c.type == "code_inline"] == ["vector<int>"]
 
 
 @pytest.mark.parametrize("data, message", [

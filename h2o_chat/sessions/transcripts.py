@@ -17,6 +17,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from markdown_it import MarkdownIt
+
 from ..inputs import InputError, InputLimits, check_conversation, read_json, refused_as
 from .chat import ChatSession
 
@@ -49,17 +51,46 @@ class Transcript:
                            "messages": self.messages}, ensure_ascii=False, indent=2)
 
     def to_markdown(self) -> str:
+        """Every message as a quote under its speaker's heading: a message's own headings,
+        fences and raw HTML stay inside its quote, so no text can pass for another turn."""
         parts = ["# Conversation"]
         if self.system_prompt:
-            parts.append(f"**System prompt:** {self.system_prompt}")
+            parts += ["**System prompt:**", _quoted(self.system_prompt)]
         for message in self.messages:
-            parts += [f"## {message['role'].capitalize()}", message["content"]]
+            parts += [f"## {message['role'].capitalize()}", _quoted(message["content"])]
         return "\n\n".join(parts) + "\n"
 
     def session(self, model, tokenizer, **kwargs) -> ChatSession:
         """A chat that continues this conversation (``kwargs`` as for ``ChatSession``)."""
         return ChatSession(model, tokenizer, system_prompt=self.system_prompt,
                            history=self.messages, **kwargs)
+
+
+_COMMONMARK = MarkdownIt("commonmark")
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a Markdown block quote whose raw HTML shows as text.
+
+    A quote holds whatever Markdown the text has (an unclosed fence ends with it), but raw
+    HTML such as ``</blockquote><h2>`` would close it in renderers that pass HTML through.
+    The lines the parser reads as HTML get ``&lt;``, until it reads none (a change can
+    regroup lines, hence the loop); code spans elsewhere keep their ``<``.
+    """
+    lines = text.split("\n")
+    while html := _html_lines(_COMMONMARK.parse("\n".join(lines))):
+        for index in html:
+            lines[index] = lines[index].replace("<", "&lt;")
+    return "\n".join(f"> {line}" if line else ">" for line in lines)
+
+
+def _html_lines(tokens) -> set[int]:
+    lines = set()
+    for token in tokens:
+        raw_inline = any(child.type == "html_inline" for child in token.children or ())
+        if token.map and (token.type == "html_block" or raw_inline):
+            lines.update(range(*token.map))
+    return lines
 
 
 def read_transcript(data: str | bytes, limits: InputLimits | None = None) -> Transcript:
