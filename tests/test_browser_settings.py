@@ -122,3 +122,18 @@ def test_logging_in_is_not_taken_for_a_page_loaded_again(browser):
             expect(page.locator("#page-reset")).to_contain_text("reset to the defaults")
         finally:
             page.context.close()
+
+
+def test_a_slider_whose_box_is_emptied_keeps_its_value(page):
+    """Gradio's slider took its minimum for a number box left empty, without a word
+    (temperature 0, top-p 0.05, one new token): the box gets back what it showed."""
+    configure(page, **PAGES[0])
+    open_tab(page, "Story")
+    for elem_id in ("temperature", "top-p", "max-new-tokens", "story-tokens"):
+        box = page.locator(f"#{elem_id} input[type=number]")
+        box.fill("")
+        box.blur()
+    assert shown_settings(page, "story-tokens") == {"story-tokens": "64"}
+    open_tab(page, "Chat")
+    send(page, "#chat-input", "#chat-send", TURNS[0])
+    assert_ran_with_typed(page, "chat", PAGES[0])

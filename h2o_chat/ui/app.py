@@ -80,7 +80,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
             return_freed_memory()
 
         demo.unload(release)
-        settings.fold_on_load(demo)
+        settings.load_in_page(demo)
         fit_screen_width(demo)
         for script in (ESC_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW, STORY_READ_ONLY_WHILE_STREAMING):
             demo.load(None, js=script)

@@ -20,6 +20,24 @@ from .refusals import Refusal
 MODEL_DTYPE = "model's dtype"  # the bits choice that stores keys or values as the model computes them
 # Runs in the page as it loads: the settings panel, built open, folded (see Settings).
 FOLD_PANEL = """() => ({__type__: "update", open: false})"""
+# Runs in the page as it loads. Gradio's slider takes its minimum for a number box left
+# empty (or holding no number), without a word: temperature 0, top-p 0.05, one new token.
+# Such a box gets back the value it had when it was focused, before Gradio's own blur
+# handler (this listens in the capture phase) reads it.
+KEEP_EMPTIED_SLIDERS = """() => {
+  const sliderBox = t => t instanceof HTMLInputElement && t.type === "number"
+                         && t.closest(".block")?.querySelector("input[type=range]");
+  const before = new WeakMap();
+  document.addEventListener("focusin", (event) => {
+    if (sliderBox(event.target)) before.set(event.target, event.target.value);
+  });
+  document.addEventListener("blur", (event) => {
+    const box = event.target;
+    if (!sliderBox(box) || box.value !== "" || !before.has(box)) return;
+    box.value = before.get(box);
+    box.dispatchEvent(new Event("input", {bubbles: true}));
+  }, true);
+}"""
 
 
 class Settings:
@@ -29,7 +47,7 @@ class Settings:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         gen, cache = config.generation, config.cache
-        # Built open and folded by the page itself as it loads (``fold_on_load``), so its
+        # Built open and folded by the page itself as it loads (``load_in_page``), so its
         # controls are drawn with the page. Gradio 6.31 draws the controls of a panel that
         # starts closed only when it first opens, and a frame later hands each the value
         # it was built with: a value typed in between went back to the default without a
@@ -102,10 +120,11 @@ class Settings:
                          "these megabytes hold at the bits above (pins counted); the most quality "
                          "per MB: keys and values at 4 bits with 16 exact newest tokens")
 
-    def fold_on_load(self, demo: gr.Blocks) -> None:
-        """Fold the panel as the page loads, in the page: no server round trip, so it is
-        folded before a user can reach it."""
+    def load_in_page(self, demo: gr.Blocks) -> None:
+        """What the page does as it loads, without a server round trip: it folds the panel
+        before a user can reach it, and keeps emptied sliders at their value."""
         demo.load(None, None, self.panel, js=FOLD_PANEL, queue=False, show_progress="hidden")
+        demo.load(None, js=KEEP_EMPTIED_SLIDERS)
 
     @property
     def components(self) -> set[gr.components.Component]:
