@@ -106,6 +106,35 @@ def test_a_refused_edit_leaves_the_conversation_and_the_page_as_they_were(page):
     assert messages(page, "chatbot", "bot")[:2] == replies
 
 
+def test_html_in_a_message_shows_edits_and_copies_as_typed(page):
+    """QA: the chat box rendered the HTML in a message: "What does <div> do?" showed
+    "What does", and the rest of the message in a box of its own."""
+    typed = "What does <div> do? And <b>x</b>, or a<b and </p>?"
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    configure(page, max_new_tokens=2)
+    page.check("#chat-pin-message input")
+    send(page, "#chat-input", "#chat-send", typed)
+    message = page.locator("#chatbot [data-testid=user]").first
+    expect(message.locator(".prose div, .prose b")).to_have_count(0)
+    assert message.inner_text().replace("\u2060", "") == typed
+    pin = page.locator("#chat-pin-list .pins tr.pin")
+    expect(pin).to_contain_text(typed)
+
+    message.hover()
+    page.locator("#chatbot button[aria-label='Copy message']").first.click()  # the user's
+    page.wait_for_function("async typed => (await navigator.clipboard.readText()) === typed", arg=typed)
+
+    # An edit hands back the text as the box showed it, with more typed after it.
+    message.hover()
+    page.locator("#chatbot button[aria-label=Edit]").first.click()
+    box = page.locator("#chatbot textarea.edit-textarea")
+    box.press("End")
+    box.press_sequentially(" Or <p>?")
+    start_and_wait(page, "#chatbot button[aria-label=Submit]")
+    expect(pin).to_contain_text(f"{typed} Or <p>?")
+    assert "\u2060" not in pin.inner_text()
+
+
 def test_regenerate_keeps_the_messages_pin_and_the_draft_in_the_box(page):
     """QA: Regenerate warned that the pinned message's pin was dropped and sent it again
     unpinned, and emptied the message box of a draft typed meanwhile."""

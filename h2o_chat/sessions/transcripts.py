@@ -17,9 +17,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from markdown_it import MarkdownIt
-
 from ..inputs import InputError, InputLimits, check_conversation, read_json, refused_as
+from ..inputs.markdown import disarm_html, split_lines
 from .chat import ChatSession
 
 FORMAT = "h2o-chat/conversation"
@@ -66,31 +65,12 @@ class Transcript:
                            history=self.messages, **kwargs)
 
 
-_COMMONMARK = MarkdownIt("commonmark")
-
-
 def _quoted(text: str) -> str:
-    """``text`` as a Markdown block quote whose raw HTML shows as text.
-
-    A quote holds whatever Markdown the text has (an unclosed fence ends with it), but raw
-    HTML such as ``</blockquote><h2>`` would close it in renderers that pass HTML through.
-    The lines the parser reads as HTML get ``&lt;``, until it reads none (a change can
-    regroup lines, hence the loop); code spans elsewhere keep their ``<``.
-    """
-    lines = text.split("\n")
-    while html := _html_lines(_COMMONMARK.parse("\n".join(lines))):
-        for index in html:
-            lines[index] = lines[index].replace("<", "&lt;")
+    """``text`` as a Markdown block quote: it holds whatever Markdown the text has (an
+    unclosed fence ends with it), and raw HTML shows as text, since ``</blockquote>``
+    would close the quote in renderers that pass HTML through."""
+    lines = split_lines(disarm_html(text, "&lt;"))
     return "\n".join(f"> {line}" if line else ">" for line in lines)
-
-
-def _html_lines(tokens) -> set[int]:
-    lines = set()
-    for token in tokens:
-        raw_inline = any(child.type == "html_inline" for child in token.children or ())
-        if token.map and (token.type == "html_block" or raw_inline):
-            lines.update(range(*token.map))
-    return lines
 
 
 def read_transcript(data: str | bytes, limits: InputLimits | None = None) -> Transcript:

@@ -11,6 +11,7 @@ from h2o_chat.config import AppConfig, ServerConfig
 from h2o_chat.engine.memory import return_freed_memory
 from h2o_chat.runtime import ModelProvider
 
+from .chat_box import COPY_AS_TYPED
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
 from .controls import ESC_STOPS, SendStopSwap, ended_either_way
@@ -82,7 +83,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         demo.unload(release)
         settings.load_in_page(demo)
         fit_screen_width(demo)
-        for script in (ESC_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW, STORY_READ_ONLY_WHILE_STREAMING):
+        for script in (ESC_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW, STORY_READ_ONLY_WHILE_STREAMING, COPY_AS_TYPED):
             demo.load(None, js=script)
     return demo
 

@@ -11,6 +11,7 @@ from h2o_chat.inputs import InputLimits, is_blank
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
+from .chat_box import ChatBox, typed_text
 from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
@@ -84,15 +85,6 @@ def _last_user_index(messages: list[dict[str, str]]) -> int | None:
     return users[-1] if users else None
 
 
-def _text_of(value) -> str:
-    """A message's text, whether Gradio hands over a string or a list of content parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        return value.get("text") or value.get("content") or ""
-    return "".join(_text_of(part) for part in value or [])
-
-
 class ChatTab:
     """Built inside the chat tab's context; wires its events."""
 
@@ -105,10 +97,10 @@ class ChatTab:
                 # Sized to the window, so the input and its buttons stay in view at 768 px.
                 # No label or copy-all icon (the tab names the view): they floated over
                 # the top message.
-                self.chatbot = gr.Chatbot(label="Chat", show_label=False, buttons=["copy"],
-                                          height="calc(100vh - 410px)", min_height=240,
-                                          editable="user", elem_id="chatbot",
-                                          placeholder="Ask anything. Replies stream token by token.")
+                self.chatbot = ChatBox(label="Chat", show_label=False, buttons=["copy"],
+                                       height="calc(100vh - 410px)", min_height=240,
+                                       editable="user", elem_id="chatbot",
+                                       placeholder="Ask anything. Replies stream token by token.")
                 self.ran_with = ran_with_line("chat")
                 with gr.Row(equal_height=True, elem_id="chat-send-row"):
                     # Its label is only read out (screen readers said "Textbox"). Where the
@@ -209,7 +201,7 @@ class ChatTab:
         if state is None:
             raise Refusal("Nothing to edit yet.")
         with state.running():
-            shown, index, text = state.shown(), edit.index, _text_of(edit.value)
+            shown, index, text = state.shown(), edit.index, typed_text(edit.value)
             if isinstance(index, (tuple, list)):
                 index = index[0]
             if not 0 <= index < len(shown):
