@@ -192,7 +192,8 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
     headers = {"Authorization": f"Bearer {KEY}"}
     # Methods no route names too (QA: TRACE and PROPFIND went past the key to the page's 404).
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1"), ("OPTIONS", "/v1/chat/completions"),
-                         ("HEAD", "/v1/nothing"), ("TRACE", "/v1/models"), ("PROPFIND", "/v1")):
+                         ("HEAD", "/v1/nothing"), ("TRACE", "/v1/models"), ("PROPFIND", "/v1"),
+                         ("POST", "/metrics"), ("DELETE", "/metrics")):
         response = httpx.request(method, url + path, headers=headers)
         assert response.status_code == 404, (method, path)
         if method != "HEAD":  # a HEAD reply has no body
@@ -200,6 +201,9 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
                                                 "type": "not_found_error", "param": None, "code": "unknown_url"}
         # Without the key, nothing is told of what exists under /v1.
         assert httpx.request(method, url + path).status_code == 401, (method, path)
+    # /health needs no key, whatever the method (QA: POST got the page's 404, another shape).
+    response = httpx.post(url + "/health")
+    assert response.status_code == 404 and response.json()["error"]["message"] == "no such endpoint: POST /health"
 
 
 def test_health_metrics_and_models_answer_head(url):

@@ -142,16 +142,20 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
             return answered(request, Response(status_code=499))
         return answered(request, JSONResponse(reply.completion(*collected.result()), headers=headers))
 
-    async def unknown(request: Request) -> Response:
-        authorize(request)  # the key guards all of /v1: what exists is not told without it
-        path = request.path_params.get("path", "")
-        raise APIError(404, f"no such endpoint: {request.method[:20]} /v1{'/' + path[:100] if path else ''}",
+    async def no_such_endpoint(request: Request) -> Response:
+        raise APIError(404, f"no such endpoint: {request.method[:20]} {request.scope['path'][:104]}",
                        code="unknown_url")
 
-    # Every method: a method no route named (TRACE, PROPFIND) went on to the page mounted
-    # at / and its 404, past the key.
+    async def unknown(request: Request) -> Response:
+        authorize(request)  # the key guards all of /v1 and /metrics: what exists is not told without it
+        return await no_such_endpoint(request)
+
+    # Every method: a method no route named (TRACE, PROPFIND; POST /health) went on to the
+    # page mounted at / and its 404, past the key and in another shape.
     api.add_route("/v1", _EveryMethod(unknown))
     api.add_route("/v1/{path:path}", _EveryMethod(unknown))
+    api.add_route("/metrics", _EveryMethod(unknown))
+    api.add_route("/health", _EveryMethod(no_such_endpoint))
 
     return api
 
