@@ -192,8 +192,7 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
     headers = {"Authorization": f"Bearer {KEY}"}
     # Methods no route names too (QA: TRACE and PROPFIND went past the key to the page's 404).
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1"), ("OPTIONS", "/v1/chat/completions"),
-                         ("HEAD", "/v1/nothing"), ("TRACE", "/v1/models"), ("PROPFIND", "/v1"),
-                         ("POST", "/metrics"), ("DELETE", "/metrics")):
+                         ("HEAD", "/v1/nothing"), ("TRACE", "/v1/models"), ("PROPFIND", "/v1")):
         response = httpx.request(method, url + path, headers=headers)
         assert response.status_code == 404, (method, path)
         if method != "HEAD":  # a HEAD reply has no body
@@ -201,9 +200,19 @@ def test_an_unknown_model_or_endpoint_gets_404(url):
                                                 "type": "not_found_error", "param": None, "code": "unknown_url"}
         # Without the key, nothing is told of what exists under /v1.
         assert httpx.request(method, url + path).status_code == 401, (method, path)
-    # /health needs no key, whatever the method (QA: POST got the page's 404, another shape).
-    response = httpx.post(url + "/health")
-    assert response.status_code == 404 and response.json()["error"]["message"] == "no such endpoint: POST /health"
+
+
+
+def test_health_and_metrics_refuse_other_methods_with_405_in_the_api_shape(url):
+    """QA: Starlette's bare 405, a text body without the API's error shape."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path, key in (("POST", "/health", {}), ("DELETE", "/metrics", headers), ("TRACE", "/health", {})):
+        response = httpx.request(method, url + path, headers=key)
+        assert (response.status_code, response.headers["allow"]) == (405, "GET, HEAD")
+        assert response.json()["error"] == {"message": f"{method} {path}: this endpoint answers GET and HEAD",
+                                            "type": "invalid_request_error", "param": None,
+                                            "code": "method_not_allowed"}
+    assert httpx.post(url + "/metrics").status_code == 401  # what /metrics takes is not told without the key
 
 
 def test_health_metrics_and_models_answer_head(url):

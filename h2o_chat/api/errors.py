@@ -12,6 +12,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

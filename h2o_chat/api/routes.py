@@ -142,20 +142,24 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
             return answered(request, Response(status_code=499))
         return answered(request, JSONResponse(reply.completion(*collected.result()), headers=headers))
 
-    async def no_such_endpoint(request: Request) -> Response:
-        raise APIError(404, f"no such endpoint: {request.method[:20]} {request.scope['path'][:104]}",
+    async def unknown(request: Request) -> Response:
+        authorize(request)  # the key guards all of /v1: what exists is not told without it
+        path = request.path_params.get("path", "")
+        raise APIError(404, f"no such endpoint: {request.method[:20]} /v1{'/' + path[:100] if path else ''}",
                        code="unknown_url")
 
-    async def unknown(request: Request) -> Response:
-        authorize(request)  # the key guards all of /v1 and /metrics: what exists is not told without it
-        return await no_such_endpoint(request)
+    async def only_read(request: Request) -> Response:
+        if request.scope["path"] == "/metrics":
+            authorize(request)
+        raise APIError(405, f"{request.method[:20]} {request.scope['path']}: this endpoint answers GET and HEAD",
+                       code="method_not_allowed", headers={"Allow": "GET, HEAD"})
 
-    # Every method: a method no route named (TRACE, PROPFIND; POST /health) went on to the
-    # page mounted at / and its 404, past the key and in another shape.
+    # Every method: a method no route named (TRACE, PROPFIND) went on to the page mounted
+    # at / and its 404, past the key; at /health and /metrics, to Starlette's bare 405.
     api.add_route("/v1", _EveryMethod(unknown))
     api.add_route("/v1/{path:path}", _EveryMethod(unknown))
-    api.add_route("/metrics", _EveryMethod(unknown))
-    api.add_route("/health", _EveryMethod(no_such_endpoint))
+    api.add_route("/health", _EveryMethod(only_read))
+    api.add_route("/metrics", _EveryMethod(only_read))
 
     return api
 
