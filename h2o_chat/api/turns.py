@@ -268,7 +268,7 @@ class TurnRunner:
             turn.emit(Delta(text))
         if session.finish_reason == "stopped" and not (stops.stopped or turn.cancelled.is_set()):
             # Neither a stop string nor the client: the server, stopping, ended its worker.
-            # Reported as the reply's end ("stop"), a cut reply read as a whole one.
+            # Ending it as "stop" would let the client take a cut reply for a whole one.
             raise APIError(503, "the server is shutting down: this reply was cut short; send the request "
                                 "again once the server is back", code="server_shutting_down")
         return "length" if session.finish_reason == "length" else "stop"
