@@ -382,6 +382,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return value
     expected = " or ".join(_type_name(tp) for tp in allowed)
     rule = _RULES.get(name)
+    if value is None:  # an empty YAML key, or a number box emptied on the page
+        raise ConfigError(f"{name} is empty: " + (rule.allowed if rule is not None else f"expected {expected}"),
+                          field=name)
     raise ConfigError(f"{name} = {_shown(value)}: expected {expected}, got {_type_name(type(value))}"
                       + (f"; {rule.allowed}" if rule is not None else ""), field=name)
 

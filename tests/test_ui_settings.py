@@ -134,6 +134,9 @@ def test_bad_bits_and_budgets_are_refused_by_name():
     # A fraction in a whole-number box is refused, not rounded.
     (dict(heavy=2.5), "cache.heavy = 2.5: expected int, got float; must be an integer >= 0"),
     (dict(exact_window=0.5), "cache.exact_window = 0.5: expected int, got float; must be an integer from 0 to 1024"),
+    # An emptied number box (QA: "cache.heavy = None: expected int, got null").
+    (dict(heavy=None), "cache.heavy is empty: must be an integer >= 0"),
+    (dict(exact_window=None), "cache.exact_window is empty: must be an integer from 0 to 1024"),
 ])
 def test_values_no_dropdown_offers_are_refused_by_the_configs_rule(changed, message):
     settings = panel(AppConfig())
