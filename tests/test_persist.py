@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import random
 import zipfile
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors.torch import save as save_tensors
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.state import SettingDifference, describe_differences, settings_differences
+from h2o_chat.inputs.markdown import disarm_html
 from h2o_chat.sessions.files import (CHECKSUM, MANIFEST, TENSORS, VERSION, SettingsMismatch, SnapshotError,
                                load_session, model_identity, read_manifest, save_session,
                                write_session_file)
@@ -109,6 +111,22 @@ def test_no_message_passes_for_another_turn_in_markdown():
     assert not [t for t in tokens if t.type == "html_block"
                 or any(c.type == "html_inline" for c in t.children or ())]
     assert [c.content for t in tokens for c in t.children or () if c.type == "code_inline"] == ["vector<int>"]
+
+
+def test_text_with_its_html_disarmed_holds_no_html_for_a_commonmark_reader():
+    """Tags, fences, indents and comments mixed at random (seeded): whatever the text,
+    what comes back has no raw HTML, and lines without any keep their text."""
+    rng = random.Random(7)
+    pieces = ["<pre>", "</pre>", "<div>", "    <b>x</b>", "`", "``", "<!--", "-->", "text", "", "<?", "?>",
+              "<![CDATA[", "]]>", "- <i>", "> <p>", "```", "<script>", "a <b> c", "<textarea>", "`a<b>`"]
+    for _ in range(200):
+        text = "\n".join(rng.choice(pieces) for _ in range(40))
+        disarmed = disarm_html(text, "&lt;")
+        tokens = MarkdownIt("commonmark").parse(disarmed)
+        assert not [t for t in tokens if t.type == "html_block"
+                    or any(c.type == "html_inline" for c in t.children or ())], text
+    assert disarm_html("no tags, `vector<int>` in code\r\nand a < b", "&lt;") == \
+        "no tags, `vector<int>` in code\r\nand a < b"
 
 
 @pytest.mark.parametrize("data, message", [

@@ -17,6 +17,7 @@ _COMMONMARK = MarkdownIt("commonmark")
 # What CommonMark reads as the start of raw HTML: a tag, an end tag, a comment, a
 # declaration or CDATA, a processing instruction.
 _MARKUP_START = re.compile(r"<(?=[A-Za-z/!?])")
+_READINGS = 4
 _NEWLINE = re.compile(r"(\r\n?|\n)")  # the line ends CommonMark counts lines by
 
 
@@ -29,15 +30,22 @@ def disarm_html(text: str, lt: str) -> str:
     """``text`` with ``lt`` for each ``<`` that starts markup on the lines CommonMark
     reads as raw HTML; other lines, code spans and code blocks among them, keep theirs.
     ``lt`` must not start markup itself (``&lt;``, or ``<`` and an invisible character)."""
+    if not _MARKUP_START.search(text):
+        return text  # most messages: nothing to parse
     pieces = _NEWLINE.split(text)
     lines = pieces[::2]
     # A changed line can regroup those around it (an HTML block ends, a paragraph takes
-    # its place), so the text is read again until no line is HTML.
-    while html := _html_lines(_COMMONMARK.parse("\n".join(lines))):
+    # its place), so the text is read again until no line is HTML. Random mixes of tags,
+    # fences and indents settled within 4 readings; a text that takes more (a
+    # reading of 100,000 characters takes about 0.3 s) gets every ``<`` replaced.
+    for _ in range(_READINGS):
+        html = _html_lines(_COMMONMARK.parse("\n".join(lines)))
+        if not html:
+            pieces[::2] = lines
+            return "".join(pieces)
         for index in html:
             lines[index] = _MARKUP_START.sub(lt, lines[index])
-    pieces[::2] = lines
-    return "".join(pieces)
+    return _MARKUP_START.sub(lt, text)
 
 
 def _html_lines(tokens: Iterable) -> set[int]:
