@@ -172,7 +172,8 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         mask = mask[:, :, None]  # broadcast over the query heads of each group
         # In place, and over the masked slots only (a chunk hides only its own later
         # tokens): a copy and a pass over every logit of a long prefill fewer.
-        logits[..., slots - mask.shape[-1]:].masked_fill_(~mask, torch.finfo(torch.float32).min)
+        masked = logits if mask.shape[-1] == slots else logits[..., slots - mask.shape[-1]:]
+        masked.masked_fill_(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1)
     if mask is not None and hides_rows:
         # Padding queries see nothing: give them no probability mass to hand out.
