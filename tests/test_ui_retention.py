@@ -229,3 +229,16 @@ def test_the_budget_by_turn_names_the_pinned_slots_its_shares_are_of(tiny_model)
     feed(tiny_model, plain, ids[:, 20:40], 20)
     _, heat = retention.maps_html(["x"] * 40, plain.stats(), 2, None, None)
     assert "% of the budget" in heat
+
+
+def test_a_character_split_over_tokens_shows_whole_in_the_map(smollm):
+    """QA: decoded token by token, each part of a split character showed U+FFFD (an
+    emoji as "��"); in a run of a text's tokens it shows whole, on its first token."""
+    _, tokenizer = smollm
+    text = "I ❤ 東京 🎉 – ok, «là»"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = retention.token_pieces(tokenizer)
+    assert any("\ufffd" in piece for piece in pieces(ids))  # the text does split characters
+    shown = pieces.in_text(ids)
+    assert len(shown) == len(ids) and "".join(shown) == text
+    assert "\ufffd" not in "".join(shown)

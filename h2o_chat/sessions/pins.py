@@ -49,12 +49,15 @@ def find_span(tokenizer, tokens: Sequence[int], text: str, near: int | None = No
     return min(reversed(spans), key=lambda span: abs(span[0] - near))
 
 
-def token_pieces(tokenizer, tokens: Sequence[int]) -> tuple[list[int], list[str]]:
+def token_pieces(tokenizer, tokens: Sequence[int],
+                 singles: Sequence[str] | None = None) -> tuple[list[int], list[str]]:
     """The text of ``tokens`` cut at the token boundaries a pin can start or end at:
     ``firsts[i]`` is the first token of ``pieces[i]``, plus a final entry, the token
-    count. A character whose bytes are split over tokens stays whole in one piece."""
-    singles = tokenizer.batch_decode([[t] for t in tokens], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+    count. A character whose bytes are split over tokens stays whole in one piece.
+    ``singles``: each token's text decoded alone, where the caller has them."""
+    if singles is None:
+        singles = tokenizer.batch_decode([[t] for t in tokens], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
     firsts, pieces, group = [], [], 0
     for index, piece in enumerate(singles):
         group += 1

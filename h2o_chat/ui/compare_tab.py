@@ -372,7 +372,7 @@ class CompareTab:
             line = f"identical so far ({len(replies[FULL])} tokens)"
         else:
             pieces = token_pieces(state.loaded.tokenizer)
-            after = {side: html.escape("".join(pieces(reply[at : at + _CONTEXT_TOKENS])))
+            after = {side: html.escape("".join(pieces.in_text(reply[at : at + _CONTEXT_TOKENS])))
                      for side, reply in replies.items()}
             line = (f'<span data-diverge-at="{at}">first differ at token {at}</span>: '
                     f"{html.escape(state.labels[BOUNDED])} wrote <code>{after[BOUNDED]}</code>, "

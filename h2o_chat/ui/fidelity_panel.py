@@ -4,14 +4,14 @@ full-cache shadow fed the same tokens, and which forgotten tokens it missed at a
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import gradio as gr
 import pandas as pd
 
 from h2o_chat.fidelity import FidelityPoint, FidelityProbe
 
-from .retention import MAX_MAP_TOKENS, token_pieces
+from .retention import MAX_MAP_TOKENS, TokenPieces, token_pieces
 from .view_state import unchanged
 
 AGREE, DIFFER = "same top token", "top token differs"
@@ -87,7 +87,7 @@ def pick_point(points: Sequence[FidelityPoint], low: float | None = None,
 
 
 def forgotten_html(point: FidelityPoint, tokens: Sequence[int],
-                   pieces: Callable[[Sequence[int]], list[str]], pairs: int,
+                   pieces: TokenPieces, pairs: int,
                    max_tokens: int = MAX_MAP_TOKENS) -> str:
     """The conversation (``tokens``) up to ``point`` with its forgotten tokens highlighted
     (redder: more of the full cache's attention), the predicted token outlined, and a
@@ -95,7 +95,7 @@ def forgotten_html(point: FidelityPoint, tokens: Sequence[int],
     pair count."""
     end = min(point.position + 1, len(tokens))
     start = max(0, end - max_tokens)
-    texts = pieces(tokens[start:end])
+    texts = pieces.in_text(tokens[start:end])
     heaviest = point.forgotten[0].mass if point.forgotten else 1.0
     marks = {f.position: f for f in point.forgotten}
     parts = []

@@ -105,7 +105,7 @@ class MapPanel:
         limit, note = ((retention.LIVE_MAP_TOKENS, " while the reply streams; all at its end")
                        if streaming else (retention.MAX_MAP_TOKENS, ""))
         token_map, heat_map = retention.maps_html(
-            retention.token_pieces(loaded.tokenizer)(tokens), stats, loaded.kv_heads,
+            retention.token_pieces(loaded.tokenizer).in_text(tokens), stats, loaded.kv_heads,
             _picked(values[self.layer]), _picked(values[self.head]), limit, note)
         return {self.tokens: token_map, self.heat: heat_map}
 

@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from h2o_chat.engine.stats import CacheStats
+from h2o_chat.sessions.pins import token_pieces as whole_pieces
 
 # Above this many tokens the map shows the newest ones only: the browser rebuilds the
 # whole map at the end of each reply, and a few thousand tokens keep that cheap.
@@ -388,10 +389,24 @@ class TokenPieces:
         self._text: dict[int, str] = {}
 
     def __call__(self, ids: Sequence[int]) -> list[str]:
+        """Each token's text decoded alone: a character split over several tokens shows
+        as U+FFFD on each part. For tokens taken from anywhere (the forgotten ones)."""
         text = self._text
         for token in ids:
             if token not in text:
-                # A character split over several tokens shows as U+FFFD on each part.
                 text[token] = self._tokenizer.decode([token], skip_special_tokens=False,
                                                      clean_up_tokenization_spaces=False)
         return [text[token] for token in ids]
+
+    def in_text(self, ids: Sequence[int]) -> list[str]:
+        """The texts of consecutive tokens of a text: a character split over several
+        shows whole on the first of them, and the others show nothing (decoded alone,
+        each part showed U+FFFD: an emoji or a CJK character as two or three of them)."""
+        singles = self(ids)
+        if not any("\ufffd" in single for single in singles):
+            return singles
+        firsts, pieces = whole_pieces(self._tokenizer, ids, singles)
+        shown = [""] * len(ids)
+        for first, piece in zip(firsts, pieces):
+            shown[first] = piece
+        return shown
