@@ -132,12 +132,19 @@ _MEMORY_PLAIN = ("KV cache: the memory holding each kept token's keys and values
 def gauge_html(g: Gauge) -> str:
     """The token counter (seen vs held vs budget), its state in words, memory and speed.
     The numbers are also ``data-*`` attributes, for tests and scripts."""
-    # "Budget" is the settings' one everywhere (sink + heavy + recent); pins come on top.
+    # "Budget" is the settings' one everywhere: in slots (sink + heavy + recent), pins come
+    # on top; in bytes, pins take their slots from it, so the count stays the one shown
+    # before the conversation began (it showed 88 slots, then 67 + 21 pinned).
+    pinned = ""
     if g.budget is None:
         # A budget in bytes has no slot count until the model that sets a token's bytes is known.
         budget = "∞" if g.budget_bytes is None else f"{g.budget_bytes / MEGABYTE:g} MB"
+    elif g.budget_bytes is None:
+        budget = str(g.budget - g.pinned)
+        pinned = f" + <b>{g.pinned}</b> pinned" if g.pinned else ""
     else:
-        budget = str(g.budget - g.pinned) + ("" if g.budget_bytes is None else f" ({g.budget_bytes / MEGABYTE:g} MB)")
+        budget = f"{g.budget} ({g.budget_bytes / MEGABYTE:g} MB)"
+        pinned = f", <b>{g.pinned}</b> of them pinned" if g.pinned else ""
     budget_attr = "" if g.budget is None else str(g.budget)
     bits = "" if g.key_bits is None else f" · keys {g.key_bits}-bit, values {g.value_bits}-bit"
     if bits and g.exact_window:
@@ -155,8 +162,7 @@ def gauge_html(g: Gauge) -> str:
         f'data-tps="{g.tokens_per_s:.2f}">'
         f'<div class="glabel">{html.escape(g.label)}</div>'
         f'<div title="{_COUNTS_PLAIN}">'
-        f"<b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>"
-        f"{f' + <b>{g.pinned}</b> pinned' if g.pinned and g.budget is not None else ''}</div>"
+        f"<b>{g.seen}</b> tokens seen · <b>{g.held}</b> slots held · budget <b>{budget}</b>{pinned}</div>"
         f'<div class="gbar"><div style="width:{fill:.1f}%"></div></div>'
         f'<div class="gstate">{_state_line(g)}</div>'
         f'<div class="gnums" title="{_MEMORY_PLAIN}">'
