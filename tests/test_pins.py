@@ -1,6 +1,7 @@
 """Pinned memory: pin text of a conversation, keep it through evictions, unpin it."""
 
 import re
+from dataclasses import replace
 
 import gradio as gr
 import pytest
@@ -375,3 +376,14 @@ def test_the_pin_headline_counts_a_pin_inside_the_system_prompt_as_yours(smollm)
     assert stats.pinned == fixed.tokens  # the pin adds no slot: overlaps count once
     assert f'data-fixed="{fixed.tokens}"' in html and f'data-yours="{pin.tokens}"' in html
     assert f"({fixed.tokens} fixed, {pin.tokens} yours, overlaps counted once)" in html
+
+
+def test_the_pin_headline_of_a_budget_in_bytes_puts_the_pins_within_it(smollm):
+    """QA: it said the pins came on top of the budget, where a budget in bytes holds them."""
+    loaded = ModelProvider(lambda: smollm, "SmolLM2").start().get()
+    state = ChatState(loaded, replace(load_config().cache, budget_mb=1.0), "Be brief and kind.")
+    "".join(state.session.send("Hello!", **GREEDY))
+    stats = state.session.cache.stats()
+    assert stats.budget_bytes == 1_000_000 and stats.pinned > 0
+    assert (f"within the budget of <b>{stats.budget}</b> slots (1 MB): <b>{stats.budget - stats.pinned}</b> "
+            "left for the rest") in pins_html(state.session.pins(), stats)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import gradio as gr
 
+from h2o_chat.config import MEGABYTE
 from h2o_chat.engine.stats import CacheStats
 from h2o_chat.sessions import Pin, Session
 
@@ -49,9 +50,12 @@ def pins_html(pins: Iterable[Pin], stats: CacheStats) -> str:
     capacity = None if stats.budget is None else stats.budget - stats.pinned
     if capacity is None:
         budget = "the full cache never evicts: pins matter only with an evicting policy"
-    else:
+    elif stats.budget_bytes is None:
         budget = (f"on top of the cache budget of <b>{capacity}</b>: at most "
                   f"<b>{capacity + stats.pinned}</b> slots held per layer and KV head")
+    else:  # a budget in bytes holds the pins too
+        budget = (f"within the budget of <b>{stats.budget}</b> slots ({stats.budget_bytes / MEGABYTE:g} MB): "
+                  f"<b>{capacity}</b> left for the rest, per layer and KV head")
     rows = "".join(
         f'<tr class="{"fixed" if p.fixed else "pin"}"><td>{p.id}</td>'
         f"<td>{html.escape(p.fixed or 'yours')}</td>"
