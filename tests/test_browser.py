@@ -134,6 +134,16 @@ def test_html_in_a_message_shows_edits_and_copies_as_typed(page):
     expect(pin).to_contain_text(f"{typed} Or <p>?")
     assert "\u2060" not in pin.inner_text()
 
+    # Compare's boxes too (Gradio shows a value through a per-session copy of a box made
+    # from its class, once a handler has updated it: a display step added to one box
+    # alone was lost there).
+    open_tab(page, "Compare")
+    send(page, "#compare-input", "#compare-send", typed)
+    for side in ("full", "bounded"):
+        message = page.locator(f"#compare-{side}-chat [data-testid=user]").first
+        expect(message.locator(".prose div, .prose b")).to_have_count(0)
+        assert message.inner_text().replace("\u2060", "") == typed
+
 
 def test_regenerate_keeps_the_messages_pin_and_the_draft_in_the_box(page):
     """QA: Regenerate warned that the pinned message's pin was dropped and sent it again

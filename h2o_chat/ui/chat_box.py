@@ -29,14 +29,19 @@ COPY_AS_TYPED = """() => {
 }"""
 
 
-def chat_box(**options: Any) -> gr.Chatbot:
-    """A ``gr.Chatbot`` (``options`` as for it) whose messages' HTML shows as text."""
-    # Its own display step, not a subclass: Gradio writes a stub file beside the module
-    # of every component class as it is defined, into the installed package.
-    box = gr.Chatbot(**options)
-    show = box.postprocess
-    box.postprocess = lambda value: show(value and [_shown(message) for message in value])
-    return box
+class ChatBox(gr.Chatbot):
+    """A ``gr.Chatbot`` (the page draws it as one) whose messages' HTML shows as text.
+
+    A subclass, not a display step added to one ``gr.Chatbot``: once a handler updates a
+    component (``gr.skip()`` included), Gradio keeps a copy of it per browser session,
+    made from its class, and shows values through the copy."""
+
+    is_template = True  # Gradio's name for a component its parent's frontend draws
+
+    def postprocess(self, value: Any) -> Any:
+        if value:
+            value = [_shown(message) for message in value]
+        return super().postprocess(value)
 
 
 def typed_text(value: Any) -> str:

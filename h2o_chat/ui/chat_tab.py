@@ -11,7 +11,7 @@ from h2o_chat.inputs import InputLimits, is_blank
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
-from .chat_box import chat_box, typed_text
+from .chat_box import ChatBox, typed_text
 from .controls import SendStopSwap, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
@@ -97,10 +97,10 @@ class ChatTab:
                 # Sized to the window, so the input and its buttons stay in view at 768 px.
                 # No label or copy-all icon (the tab names the view): they floated over
                 # the top message.
-                self.chatbot = chat_box(label="Chat", show_label=False, buttons=["copy"],
-                                        height="calc(100vh - 410px)", min_height=240,
-                                        editable="user", elem_id="chatbot",
-                                        placeholder="Ask anything. Replies stream token by token.")
+                self.chatbot = ChatBox(label="Chat", show_label=False, buttons=["copy"],
+                                       height="calc(100vh - 410px)", min_height=240,
+                                       editable="user", elem_id="chatbot",
+                                       placeholder="Ask anything. Replies stream token by token.")
                 self.ran_with = ran_with_line("chat")
                 with gr.Row(equal_height=True, elem_id="chat-send-row"):
                     # Its label is only read out (screen readers said "Textbox"). Where the

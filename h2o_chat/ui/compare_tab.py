@@ -15,7 +15,7 @@ from h2o_chat.inputs import InputLimits, is_blank
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
-from .chat_box import chat_box
+from .chat_box import ChatBox
 from .chat_tab import echo_while_loading, shown_messages
 from .controls import SendStopSwap, stop_button
 from .fidelity_panel import FidelityPanel
@@ -133,14 +133,14 @@ class CompareTab:
             with gr.Column():
                 self.bounded_title = gr.Markdown(_title(bounded_label(config.cache)),
                                                  elem_id="compare-bounded-title")
-                self.bounded_chat = chat_box(show_label=False, buttons=["copy"],
-                                             height="calc(100vh - 520px)", min_height=200,
-                                             elem_id="compare-bounded-chat")
+                self.bounded_chat = ChatBox(show_label=False, buttons=["copy"],
+                                            height="calc(100vh - 520px)", min_height=200,
+                                            elem_id="compare-bounded-chat")
             with gr.Column():
                 gr.Markdown(_title(FULL_LABEL), elem_id="compare-full-title")
-                self.full_chat = chat_box(show_label=False, buttons=["copy"],
-                                          height="calc(100vh - 520px)", min_height=200,
-                                          elem_id="compare-full-chat")
+                self.full_chat = ChatBox(show_label=False, buttons=["copy"],
+                                         height="calc(100vh - 520px)", min_height=200,
+                                         elem_id="compare-full-chat")
         self.ran_with = ran_with_line("compare")
         with gr.Row(equal_height=True, elem_id="compare-send-row"):
             # Its label is only read out (screen readers said "Textbox"). Where the
