@@ -11,6 +11,7 @@ from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.config import load_config
 from h2o_chat.sessions.pins import decode, find_span, token_pieces
 from h2o_chat.ui.chat_tab import ChatState, ChatTab
+from h2o_chat.ui.gauges import Gauge, gauge_html
 from h2o_chat.ui.pin_panel import pins_html, warn_dropped_pins
 from h2o_chat.runtime import ModelProvider
 from h2o_chat.ui.settings import Settings
@@ -376,6 +377,25 @@ def test_the_pin_headline_counts_a_pin_inside_the_system_prompt_as_yours(smollm)
     assert stats.pinned == fixed.tokens  # the pin adds no slot: overlaps count once
     assert f'data-fixed="{fixed.tokens}"' in html and f'data-yours="{pin.tokens}"' in html
     assert f"({fixed.tokens} fixed, {pin.tokens} yours, overlaps counted once)" in html
+
+
+def test_the_budget_shown_before_the_first_send_counts_the_pins_not_read_yet(smollm):
+    """QA: before a chat's first send (an imported one's too) a budget in bytes showed as
+    the budget less the system prompt's slots in the gauge, and the pin panel counted those
+    slots as left for the rest; a budget in slots said fewer slots held at most."""
+    loaded = ModelProvider(lambda: smollm, "SmolLM2").start().get()
+    for budget_mb in (1.0, None):
+        state = ChatState(loaded, replace(load_config().cache, budget_mb=budget_mb, heavy=16), "Be brief and kind.")
+        shown = []
+        for _ in range(2):
+            gauge = gauge_html(Gauge.of("h2o", state.session.stats()))
+            headline = pins_html(state.session.pins(), state.session.cache.stats())
+            shown.append((re.search(r"budget <b>([^<]+)</b>", gauge)[1],
+                          re.search(r"(within|on top of) the .*?per layer and KV head", headline)[0]))
+            "".join(state.session.send("Hello!", **GREEDY))
+        [fixed] = [p for p in state.session.pins() if p.fixed]
+        assert state.session.cache.stats().pinned == fixed.tokens > 0
+        assert shown[0] == shown[1], budget_mb
 
 
 def test_the_pin_headline_of_a_budget_in_bytes_puts_the_pins_within_it(smollm):

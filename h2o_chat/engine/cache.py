@@ -295,7 +295,7 @@ class H2OCache(CacheStateMixin, Cache):
         return sum(layer.allocated_bytes() for layer in self.layers)
 
     def stats(self) -> CacheStats:
-        capacity = self.policy.capacity
+        budget = self.policy.capacity
         first = self.layers[0]
         pinned = first.pinned_slots if first.is_initialized else 0
         layers = [
@@ -314,12 +314,16 @@ class H2OCache(CacheStateMixin, Cache):
             if layer.is_initialized
             for t in layer.held_slots().values()
         )
+        if budget is not None:
+            # A budget in bytes holds every pin, fed or not (``_fit_budget``): counting only
+            # the fed ones showed a smaller budget until a chat's first send.
+            budget += pinned if self.byte_budget is None else self.spans.covered()
         return CacheStats(
             policy=self.policy.describe(),
             seen=self.seen,
             held=first.held,
             pinned=pinned,
-            budget=None if capacity is None else capacity + pinned,
+            budget=budget,
             kv_bytes=kv_bytes,
             held_bytes=held_bytes,
             layers=layers,

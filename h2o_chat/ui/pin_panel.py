@@ -47,13 +47,16 @@ def pins_html(pins: Iterable[Pin], stats: CacheStats) -> str:
     pins = list(pins)
     fixed = _slots([p for p in pins if p.fixed], stats.seen)
     yours = _slots([p for p in pins if not p.fixed], stats.seen)
+    # Pins not read yet (an imported chat's before its first send) hold their slots once read.
+    reserved = _slots(pins)
     capacity = None if stats.budget is None else stats.budget - stats.pinned
     if capacity is None:
         budget = "the full cache never evicts: pins matter only with an evicting policy"
     elif stats.budget_bytes is None:
         budget = (f"on top of the cache budget of <b>{capacity}</b>: at most "
-                  f"<b>{capacity + stats.pinned}</b> slots held per layer and KV head")
+                  f"<b>{capacity + reserved}</b> slots held per layer and KV head")
     else:  # a budget in bytes holds the pins too
+        capacity = stats.budget - reserved
         budget = (f"within the budget of <b>{stats.budget}</b> slots ({stats.budget_bytes / MEGABYTE:g} MB): "
                   f"<b>{capacity}</b> left for the rest, per layer and KV head")
     rows = "".join(
@@ -74,13 +77,13 @@ def pins_html(pins: Iterable[Pin], stats: CacheStats) -> str:
     )
 
 
-def _slots(pins: list[Pin], seen: int) -> int:
-    """Slots ``pins`` hold together: their tokens read so far, each once. Counted per
-    kind: ``pinned - fixed`` gave a pin of yours inside the system prompt none of yours,
-    while its row was listed."""
+def _slots(pins: list[Pin], seen: int | None = None) -> int:
+    """Slots ``pins`` hold together: their tokens read so far (None: all of them), each
+    once. Counted per kind: ``pinned - fixed`` gave a pin of yours inside the system
+    prompt none of yours, while its row was listed."""
     held = set()
     for pin in pins:
-        held.update(range(pin.start, min(pin.end, seen)))
+        held.update(range(pin.start, pin.end if seen is None else min(pin.end, seen)))
     return len(held)
 
 
