@@ -112,6 +112,31 @@ def test_two_of_a_checked_header_get_400_whichever_comes_first(url):
     assert read_metrics(url)['h2o_chat_refused_requests_total{code="duplicate_header"}'] >= len(cases)
 
 
+def raw_request(url: str, request: str) -> tuple[bytes, bytes]:
+    """The status line and body ``request`` (sent as it is) is answered with."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
+        raw.sendall(request.encode())
+        answer = b"".join(iter(lambda: raw.recv(65536), b""))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], body
+
+
+def test_a_target_in_absolute_form_is_routed_and_judged_by_its_authority(url):
+    """QA: ``GET http://host/v1/models`` (which HTTP/1.1 servers must accept) got the
+    page's bare 404, past the API's routes; an HTTP/1.0 request without a Host got 403."""
+    own = url.removeprefix("http://")
+    status, body = raw_request(url, f"GET http://{own}/v1/models?x=1 HTTP/1.1\r\nHost: {own}\r\n"
+                                    "Connection: close\r\n\r\n")
+    assert status == b"HTTP/1.1 200 OK" and json.loads(body)["data"][0]["id"] == MODEL_ID
+    # The target's authority replaces the Host header (RFC 9112 3.2.2), so it is the one judged.
+    status, body = raw_request(url, f"GET http://rebind.evil.example/health HTTP/1.1\r\nHost: {own}\r\n"
+                                    "Connection: close\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 403 ") and json.loads(body)["error"]["code"] == "forbidden_host"
+    status, body = raw_request(url, "GET /health HTTP/1.0\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 ") and json.loads(body)["status"] == "ok"
+
+
 def test_a_preflight_from_a_foreign_origin_is_not_granted(url):
     response = httpx.options(url + "/v1/chat/completions", headers={
         "Origin": EVIL, "Access-Control-Request-Method": "POST",

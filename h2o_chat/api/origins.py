@@ -61,6 +61,7 @@ class OriginGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
+            scope = origin_form(scope)
             refusal = self.refusal(scope)
             if refusal is not None:
                 self.refused(refusal.code)
@@ -79,8 +80,10 @@ class OriginGuard:
                 return APIError(400, f"the request has more than one {_SINGLE[name]} header: send one",
                                 param=_SINGLE[name], code="duplicate_header")
             headers[name] = raw_value.decode("latin-1")
+        # Only HTTP/1.0 may leave Host out (the HTTP layer refuses an HTTP/1.1 request
+        # without one), and no browser does: no page can name a host it is not.
         host = headers.get("host", "")
-        if not self.host_allowed(host):
+        if "host" in headers and not self.host_allowed(host):
             return APIError(403, f"Host {host[:100]!r} is not a name this server answers to: add it to "
                                  "server.allowed_hosts to reach the server by that name",
                             param="Host", code="forbidden_host")
@@ -118,6 +121,26 @@ class OriginGuard:
         parts = urlsplit(origin)
         # The server's own pages: the origin names the host (and port) the request went to.
         return parts.scheme in ("http", "https") and parts.netloc == host.lower()
+
+
+def origin_form(scope: Scope) -> Scope:
+    """``scope`` with a request target in absolute form (``GET http://host/path``, which
+    HTTP/1.1 servers must accept, RFC 9112 3.2.2) as one in origin form, the target's
+    authority as its Host, which that form replaces: uvicorn hands such a target on as the
+    path, which no route then matched (the page's plain 404 instead of the API's key
+    check and errors)."""
+    path = scope.get("path", "")
+    if not path[:8].lower().startswith(("http://", "https://")):
+        return scope
+    raw_path = scope.get("raw_path") or path.encode("latin-1")
+    try:
+        target, raw_target = urlsplit(path), urlsplit(raw_path)
+        authority = raw_target.netloc
+    except ValueError:  # no authority a Host could name ("http://[::1/"): refused as a Host
+        target, raw_target, authority = urlsplit("/"), urlsplit(b"/"), b""
+    headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"host"]
+    return {**scope, "path": target.path or "/", "raw_path": raw_target.path or b"/",
+            "headers": [(b"host", authority), *headers]}
 
 
 def _hostname(host: str) -> str | None:
