@@ -358,9 +358,11 @@ _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 80, 80
 
 
-def _shown(value: Any) -> str:
-    """``value`` as a message quotes it, cut short: a config's value may be a YAML alias
-    bomb (a 447-byte file whose list repr runs to billions of items) or a huge number."""
+def quoted(value: Any) -> str:
+    """``value``, from outside, as a message quotes it, cut short before it is written out:
+    a config's value may be a YAML alias bomb (a 447-byte file whose list repr runs to
+    billions of items), a file's a megabyte-long object (echoed whole, it took a page
+    half a minute to show) or a huge number."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"<a {len(str(value)) if value.bit_length() < 10_000 else 'many'}-digit number>"
     return _SHOWN.repr(value)
@@ -385,7 +387,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if value is None:  # an empty YAML key, or a number box emptied on the page
         raise ConfigError(f"{name} is empty: " + (rule.allowed if rule is not None else f"expected {expected}"),
                           field=name)
-    raise ConfigError(f"{name} = {_shown(value)}: expected {expected}, got {_type_name(type(value))}"
+    raise ConfigError(f"{name} = {quoted(value)}: expected {expected}, got {_type_name(type(value))}"
                       + (f"; {rule.allowed}" if rule is not None else ""), field=name)
 
 
@@ -398,7 +400,7 @@ def check_field(name: str, value: Any) -> Any:
     rule = _RULES.get(name)
     if coerced is not None and rule is not None and not rule.check(coerced):
         optional = type(None) in get_args(hint)
-        raise ConfigError(f"{name} = {_shown(value)}: {rule.allowed}" + (", or null" if optional else ""), field=name)
+        raise ConfigError(f"{name} = {quoted(value)}: {rule.allowed}" + (", or null" if optional else ""), field=name)
     return coerced
 
 

@@ -326,6 +326,12 @@ IMPORT_CASES = [
      "messages", "messages = 'hi': must be a list of messages"),
     ("a number as content", conversation([{"role": "user", "content": 7}]), "messages[0].content",
      r"messages\[0\].content must be a string, got int"),
+    # QA: the whole value was quoted, 100,060 characters the page took 28 s to show.
+    ("a 100,000-character object as the system prompt", conversation(system_prompt={"a": "A" * 100_000}),
+     "system_prompt", r"^system_prompt = \{'a': 'A{37}\.\.\.A{38}'\}: must be a string or null$"),
+    ("300 strings as the version", conversation(version=["x" * 1000] * 300), "version",
+     r"^unknown conversation file version \['x{37}\.\.\.x{38}', 'x{37}\.\.\.x{38}', 'x{37}\.\.\.x{38}', "
+     r"'x{37}\.\.\.x{38}', \.\.\.\] \(this app reads version 1\)$"),
     ("Infinity as the version", conversation().replace(b'"version": 1', b'"version": Infinity'),
      "conversation file", r"invalid JSON \(Infinity is not a JSON number\)"),
 ]

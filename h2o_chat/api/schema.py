@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from h2o_chat.config import ConfigError, GenerationConfig, check_field
+from h2o_chat.config import ConfigError, GenerationConfig, check_field, quoted
 from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text, is_blank
 from h2o_chat.inputs.text import check_chars, check_count, check_unicode
 
@@ -269,7 +269,7 @@ def _content(where: str, value: Any) -> str:
 
 
 def short(value: Any, limit: int = 40) -> str:
-    """``repr(value)`` cut for a message: the value came from outside and may be huge."""
-    text = repr(value)
+    """``value`` quoted for a message (``quoted``), cut to ``limit`` characters."""
+    text = quoted(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

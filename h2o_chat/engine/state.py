@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from h2o_chat.config import quoted
+
 from .quant import KVStorage
 from .slots import ROLLING_METADATA, SLOT_METADATA
 
@@ -68,7 +70,7 @@ def _in_full(settings: Mapping[str, Any]) -> dict[str, Any]:
 def _shown(value: Any) -> str:
     if value is None:
         return "not used"
-    text = repr(value)
+    text = quoted(value)
     return text if len(text) <= 40 else text[:39] + "…"
 
 

@@ -13,6 +13,7 @@ import re
 import zipfile
 from typing import Any
 
+from ..config import quoted
 from .limits import InputError
 
 MAX_DEPTH = 32  # our documents nest 5 levels at most
@@ -109,9 +110,9 @@ def require_int(value: Any, field: str, low: int, high: int, why: str = "") -> i
     """``value`` if it is an integer in ``low..high`` (a bool is not); InputError naming
     ``field`` and the range (``why`` says where the range comes from)."""
     if low > high:  # "from 78 to 77" would read as a typo: say that nothing fits
-        raise InputError(f"{field} = {value!r}: no value fits here: it would have to be at least {low:,} "
+        raise InputError(f"{field} = {quoted(value)}: no value fits here: it would have to be at least {low:,} "
                          f"and at most {high:,}" + (f" ({why})" if why else ""), field)
     if type(value) is not int or not low <= value <= high:
-        raise InputError(f"{field} = {value!r}: must be an integer from {low:,} to {high:,}"
+        raise InputError(f"{field} = {quoted(value)}: must be an integer from {low:,} to {high:,}"
                          + (f" ({why})" if why else ""), field)
     return value

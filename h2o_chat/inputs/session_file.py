@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..config import quoted
 from .documents import require_int
 from .limits import InputError, InputLimits
 
@@ -125,7 +126,7 @@ def _protected_tokens(spans: Any, tokens: int, field: str) -> torch.Tensor:
     checked = []
     for index, span in enumerate(spans):
         if not isinstance(span, Sequence) or len(span) != 2:
-            raise InputError(f"{field}[{index}] = {span!r}: must be [start, end]", f"{field}[{index}]")
+            raise InputError(f"{field}[{index}] = {quoted(span)}: must be [start, end]", f"{field}[{index}]")
         start = require_int(span[0], f"{field}[{index}][0]", 0, tokens - 1, "the tokens in the file")
         checked.append((start, require_int(span[1], f"{field}[{index}][1]", start + 1, tokens,
                                            "after start, within the tokens")))

@@ -6,7 +6,9 @@ import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 
+from ..config import quoted
 from .limits import InputError, InputLimits
+
 
 def shorten(text: str, limit: int = 60) -> str:
     """``text`` cut to ``limit`` characters for a message."""
@@ -108,4 +110,4 @@ def _short(value: object) -> str:
     """``value``'s repr, short enough for a message about a huge input."""
     if isinstance(value, (list, tuple, dict)) and len(value) >= 8:
         return f"<{type(value).__name__} of {len(value):,} items>"
-    return shorten(repr(value))
+    return shorten(quoted(value))

@@ -36,7 +36,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ..cache_memory import CacheMemory
-from ..config import CacheConfig
+from ..config import CacheConfig, quoted
 from ..engine.cache import H2OCache
 from ..engine.state import SettingDifference, describe_differences, settings_differences
 from ..inputs import InputError, InputLimits, read_json, read_member, refused_as, require_int
@@ -168,7 +168,7 @@ def read_manifest(path: str | Path, limits: InputLimits | None = None) -> tuple[
     if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"not a session file: {MANIFEST} lacks \"format\": \"{FORMAT}\"")
     if manifest.get("version") != VERSION:
-        raise SnapshotError(f"unknown session file version {manifest.get('version')!r} "
+        raise SnapshotError(f"unknown session file version {quoted(manifest.get('version'))} "
                             f"(this app reads version {VERSION})", f"{MANIFEST}: version")
     return dict(manifest), payload
 
@@ -197,14 +197,14 @@ def load_session(
     if kind is not None and manifest.get("kind") != kind:
         saved_kind = manifest.get("kind")
         if saved_kind not in ("chat", "story"):  # a crafted kind, shown as such: "a ['chat'] session" read oddly
-            raise SnapshotError(f"not a session file: its kind is {saved_kind!r}, not 'chat' or 'story'",
+            raise SnapshotError(f"not a session file: its kind is {quoted(saved_kind)}, not 'chat' or 'story'",
                                 f"{MANIFEST}: kind")
         raise SnapshotError(f"this is a {saved_kind} session file, not a {kind} session")
     saved, ours = manifest.get("model"), model_identity(model)
     if not isinstance(saved, Mapping):
         raise SnapshotError(f"not a session file: {MANIFEST} lacks the model's fingerprint", f"{MANIFEST}: model")
     if saved.get("fingerprint") != ours["fingerprint"]:
-        raise SnapshotError(f"this session was saved with another model: {saved.get('name')!r} "
+        raise SnapshotError(f"this session was saved with another model: {quoted(saved.get('name'))} "
                             f"(fingerprint {str(saved.get('fingerprint'))[:12]}), the loaded model is "
                             f"{ours['name']!r} ({ours['fingerprint'][:12]})")
     cache_state = manifest.get("cache")
@@ -264,7 +264,7 @@ def _new_session(manifest: Mapping[str, Any], model, tokenizer, cache: H2OCache,
             raise SnapshotError("chat session: messages (a list of objects) is missing", f"{MANIFEST}: messages")
         has_system = bool(messages) and messages[0].get("role") == "system"
         if has_system and not isinstance(messages[0].get("content"), str):
-            raise SnapshotError(f"messages[0] = {messages[0]!r}: the system prompt must be a string",
+            raise SnapshotError(f"messages[0] = {quoted(messages[0])}: the system prompt must be a string",
                                 f"{MANIFEST}: messages[0]")
         try:
             session = ChatSession(model, tokenizer, cache=cache,
@@ -284,4 +284,4 @@ def _new_session(manifest: Mapping[str, Any], model, tokenizer, cache: H2OCache,
         story = tokenizer.decode(tokens[bible:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         check_chars(len(text) + len(story), session.limits, "the story")
         return session
-    raise SnapshotError(f"kind = {kind!r}: must be chat or story", f"{MANIFEST}: kind")
+    raise SnapshotError(f"kind = {quoted(kind)}: must be chat or story", f"{MANIFEST}: kind")

@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..config import quoted
 from ..inputs import InputError, InputLimits, check_conversation, read_json, refused_as
 from ..inputs.markdown import disarm_html, split_lines
 from .chat import ChatSession
@@ -83,9 +84,9 @@ def read_transcript(data: str | bytes, limits: InputLimits | None = None) -> Tra
             raise TranscriptError(f"not a conversation file: expected \"format\": \"{FORMAT}\"")
         version = document.get("version")
         if version != VERSION:
-            raise TranscriptError(f"unknown conversation file version {version!r} "
+            raise TranscriptError(f"unknown conversation file version {quoted(version)} "
                                   f"(this app reads version {VERSION})", "version")
         system_prompt = document.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
-            raise TranscriptError(f"system_prompt = {system_prompt!r}: must be a string or null", "system_prompt")
+            raise TranscriptError(f"system_prompt = {quoted(system_prompt)}: must be a string or null", "system_prompt")
         return Transcript(*check_conversation(system_prompt, document.get("messages"), limits, "messages"))
