@@ -333,6 +333,29 @@ def test_rebuilding_a_chat_carries_its_pins(smollm, recwarn):
     assert "not read yet" in html and 'data-pinned="0"' in html
 
 
+def test_regenerate_keeps_a_pin_inside_the_message_it_sends_again(chat_tab, recwarn):
+    """QA: the pin was looked for before the re-sent message only, so Regenerate (and an
+    edit keeping the text) dropped it, warning that its text did not occur."""
+    tab = chat_tab
+    room = {tab.settings.heavy: 64, tab.settings.recent: 64}  # nothing evicted before the pin
+    turn = tab.on_send(values_of(tab, None, {tab.text: "Hello there."} | room))
+    state = next(turn)[tab.state]
+    list(turn)
+    list(tab.on_send(values_of(tab, state, {tab.text: "My secret code word is zebra42, please remember it."})))
+    tab.pins.on_pin(values_of(tab, state, {tab.pins.text: "secret code word is zebra42"}))
+    [before] = [p for p in state.session.pins() if not p.fixed]
+    list(tab.on_regenerate(values_of(tab, state)))
+    assert not [w for w in recwarn if "dropped" in str(w.message)]
+    [after] = [p for p in state.session.pins() if not p.fixed]
+    assert after.text == before.text and after.end <= state.session.fed
+    assert state.session.cache.evicted(after.start, after.end) == []
+    assert state.session.messages[-2]["content"] == "My secret code word is zebra42, please remember it."
+    messages = list(state.session.messages)
+    with pytest.raises(ValueError, match="does not occur"):
+        state.session.send("Thanks!", pin_parts=["zebra42"])  # in the history, not in this message
+    assert state.session.messages == messages
+
+
 def test_pin_panel_in_the_browser(page):
     """The real app: pin a message as it is sent, pin copied text, a refused pin warns
     and leaves the panel working, unpin."""

@@ -361,10 +361,10 @@ class Session:
                 self.fed = 0
         del self.tokens[length:]
 
-    def _generate(self, new_tokens: list[int], sampling: Sampling, pin: tuple[int, int] | None = None,
+    def _generate(self, new_tokens: list[int], sampling: Sampling, pins: Sequence[tuple[int, int]] = (),
                   extend: bool = False, stop: threading.Event | None = None,
                   reply_required: bool = False) -> Iterator[str]:
-        """Append ``new_tokens`` (pinning ``new_tokens[pin[0]:pin[1]]`` if given), then
+        """Append ``new_tokens`` (pinning ``new_tokens[start:end]`` for each span of ``pins``), then
         stream the decoded text of up to ``sampling.max_new_tokens`` generated tokens,
         collected in ``self.reply`` (including a final end-of-turn token); ``extend`` adds
         them to the last reply instead of starting a new one. ``stop`` is the turn's stop
@@ -381,10 +381,11 @@ class Session:
             sampling = replace(sampling, max_new_tokens=max(left, 1),
                                min_new_tokens=min(sampling.min_new_tokens, max(left, 1)))
         # Refused here, the turn has changed nothing yet.
-        with self._room(len(new_tokens) + sampling.max_new_tokens, 0 if pin is None else pin[1] - pin[0]):
-            yield from self._generate_in_room(new_tokens, sampling, pin, extend, reply_required)
+        pinned = len({token for start, end in pins for token in range(start, end)})
+        with self._room(len(new_tokens) + sampling.max_new_tokens, pinned):
+            yield from self._generate_in_room(new_tokens, sampling, pins, extend, reply_required)
 
-    def _generate_in_room(self, new_tokens: list[int], sampling: Sampling, pin: tuple[int, int] | None,
+    def _generate_in_room(self, new_tokens: list[int], sampling: Sampling, pins: Sequence[tuple[int, int]],
                           extend: bool, reply_required: bool) -> Iterator[str]:
         length = len(self.tokens)
         before = (self.reply, self.finish_reason)
@@ -393,9 +394,9 @@ class Session:
         self._reply_kept, self._reply_taken = len(self.reply), None
         self.finish_reason = "stopped"  # unless the loop gets to an end or the limit
         try:
-            if pin is not None:
+            for start, end in dict.fromkeys(pins):
                 # Not fed yet, so nothing of it can have been evicted: this always works.
-                self.cache.protect(length + pin[0], length + pin[1])
+                self.cache.protect(length + start, length + end)
             yield from self._decode_loop(sampling)
         except BaseException as err:
             if len(self.reply) == self._reply_kept:

@@ -15,7 +15,7 @@ from ..sampling import Sampling
 from ..inputs import InputError, InputLimits, check_chat_turn, check_conversation, is_blank
 from ..scheduler import BatchScheduler, TakeTurns
 from .base import Pin, Session
-from .pins import require_text
+from .pins import find_span, require_text
 
 
 class ChatSession(Session):
@@ -91,15 +91,19 @@ class ChatSession(Session):
             self._template_text = template_text
 
     def send(self, text: str, pin: bool = False, stop: threading.Event | None = None,
-             **sampling) -> Iterator[str]:
+             pin_parts: Sequence[str] = (), **sampling) -> Iterator[str]:
         """Add a user message and stream the assistant's reply as text chunks; ``pin``
-        pins the message's tokens (its content, not the template around it); ``stop``,
+        pins the message's tokens (its content, not the template around it), and
+        ``pin_parts`` the tokens of each of these texts in it (ValueError for one it does
+        not hold: matched as ``pin`` matches, its last occurrence); ``stop``,
         once set, ends the turn (set before it begins, nothing is fed). A turn stopped
         (or failed) before the reply's first token is taken back: the conversation is
         as it was before the message."""
         sampling = Sampling(**sampling)
-        self.check_message(text, sampling.max_new_tokens, pin)
-        return self._turn(text, sampling, pin, stop)
+        self.check_message(text, sampling.max_new_tokens, pin or bool(pin_parts))
+        for part in pin_parts:
+            find_span(self.tokenizer, self.tokenizer.encode(text, add_special_tokens=False), part)
+        return self._turn(text, sampling, pin, stop, pin_parts)
 
     def check_message(self, text: str, reply_tokens: int = 0, pin: bool = False) -> None:
         """Refuse (InputError) a message ``send`` would refuse: empty, past the limits,
@@ -139,19 +143,23 @@ class ChatSession(Session):
         return self._continue(sampling, stop)
 
     def _turn(self, text: str, sampling: Sampling, pin: bool = False,
-              stop: threading.Event | None = None) -> Iterator[str]:
+              stop: threading.Event | None = None, pin_parts: Sequence[str] = ()) -> Iterator[str]:
         with self._turn_lock:
             messages = self.messages + [{"role": "user", "content": text}]
             rendered, new_tokens, contents = self._render_new(messages, True)
+            first, last = contents[-1]
+            pins = [(first, last)] if pin else []
+            for part in pin_parts:  # found by ``send`` already, so before anything changes
+                begin, end = find_span(self.tokenizer, new_tokens[first:last], part)
+                pins.append((first + begin, first + end))
             before = (self.messages, self._template_text, self._reply_start)
             start = len(self.tokens)
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self._template_text = self._reply_start = rendered
             # A turn begins with the user's words; the template before them ends the last.
-            self.cache.mark_turn(start + contents[-1][0])
+            self.cache.mark_turn(start + first)
             try:
-                yield from self._generate(new_tokens, sampling, contents[-1] if pin else None, stop=stop,
-                                          reply_required=True)
+                yield from self._generate(new_tokens, sampling, pins, stop=stop, reply_required=True)
             finally:
                 if len(self.tokens) == start:
                     # Failed or stopped before the first token, and _generate took the

@@ -72,4 +72,4 @@ class StorySession(Session):
               stop: threading.Event | None = None) -> Iterator[str]:
         with self._turn_lock:
             new_tokens = self._encode(text) if text else []
-            yield from self._generate(new_tokens, sampling, (0, len(new_tokens)) if pin else None, stop=stop)
+            yield from self._generate(new_tokens, sampling, [(0, len(new_tokens))] if pin else (), stop=stop)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 
 import gradio as gr
 
@@ -12,7 +12,7 @@ from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
 from .chat_box import ChatBox, typed_text
-from .controls import SendStopSwap, stop_button
+from .controls import SendStopSwap, send_slot, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
@@ -52,18 +52,21 @@ class ChatState(ViewState):
     def shown(self) -> list[dict[str, str]]:
         return shown_messages(self.session)
 
-    def rebuild(self, history: list[dict[str, str]], then: str | None = None, resent_pin: str | None = None) -> None:
+    def rebuild(self, history: list[dict[str, str]], then: str | None = None,
+                resent_pin: str | None = None) -> list[str]:
         """Go back in time: a fresh cache on ``history``, fed on the next send (an
         evicting cache cannot un-see the turns after it). ``then``: the message about to
         be sent on it (an edit, a regenerate), checked first: where it would be refused
         (ValueError), or ``history`` is, nothing changes. ``resent_pin``: the text of a
-        pin that message takes over (see ``carry_pins``)."""
+        pin that message takes over; returned: the pins' texts that message is to pin
+        (see ``carry_pins``)."""
         session = self._new_session(history)
         if then is not None:
             session.check_message(then)
         old, self.session = self.session, session
-        carry_pins(old, session, resent_pin)
+        in_message = carry_pins(old, session, resent_pin, then)
         self.forget_snapshot()
+        return in_message
 
     def pinned(self, text: str) -> bool:
         """Whether a pin of yours holds exactly ``text`` (as "pin this message" does)."""
@@ -110,9 +113,10 @@ class ChatTab:
                                            label="Message", show_label=False, scale=5,
                                            elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")
-                    self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
-                                          elem_id="chat-send")
-                    self.stop = stop_button("chat")
+                    with send_slot("chat", 100):
+                        self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
+                                              elem_id="chat-send")
+                        self.stop = stop_button("chat")
                 with gr.Row():
                     self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
                     self.undo = gr.Button("Undo", elem_id="chat-undo")
@@ -223,11 +227,11 @@ class ChatTab:
         replaced = state.shown()[index]["content"]
         pinned = state.pinned(replaced)
         try:
-            state.rebuild(state.shown()[:index], then=text, resent_pin=replaced if pinned else None)
+            in_message = state.rebuild(state.shown()[:index], then=text, resent_pin=replaced if pinned else None)
         except ValueError as err:
             yield self._edit_refused(state, str(err))
             return
-        yield from self._turn(values, state, text, pin=pinned, from_box=False)
+        yield from self._turn(values, state, text, pin=pinned, from_box=False, pin_parts=in_message)
 
     def _edit_refused(self, state: ChatState, message: str) -> dict:
         warn(message)
@@ -272,13 +276,14 @@ class ChatTab:
                        **{output: "" for output in self.map.outputs}, **self.pins.cleared()}
 
     def _turn(self, values: dict, state: ChatState, text: str, pin: bool | None = None,
-              from_box: bool = True) -> Iterator[dict]:
-        """Send ``text``, pinned where ``pin`` (default: the box's "pin this message");
-        ``from_box``: the text came from the message box, which is emptied."""
+              from_box: bool = True, pin_parts: Sequence[str] = ()) -> Iterator[dict]:
+        """Send ``text``, pinned where ``pin`` (default: the box's "pin this message"),
+        its ``pin_parts`` pinned; ``from_box``: the text came from the message box, which
+        is emptied."""
         sampling = self.settings.sampling(values)
         try:
             stream = state.session.send(text, pin=bool(values[self.pin_message]) if pin is None else pin,
-                                        stop=self.swap.stop_event(values), **sampling)
+                                        stop=self.swap.stop_event(values), pin_parts=pin_parts, **sampling)
         except ValueError as err:
             raise Refusal(str(err)) from None
         shown = state.shown() + [{"role": "user", "content": text}]

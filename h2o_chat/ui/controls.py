@@ -5,6 +5,8 @@ stage of the turn: waiting in the queue, reading the prompt, or generating."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import gradio as gr
 from gradio.events import Dependency, EventListenerMethod
@@ -20,6 +22,18 @@ ESC_STOPS = """() => {
       if (button.offsetParent !== null) button.click();
     }
   });
+}"""
+
+# Runs once in the page: the second click of a double-click on a send button lands on the
+# Stop now in its place, and stopped the turn before its reply ("Stopped before the reply
+# began"). A Stop is one click: the rest of a multi-click is dropped before Gradio sees it.
+STOP_TAKES_ONE_CLICK = """() => {
+  document.addEventListener("click", (event) => {
+    if (event.detail > 1 && event.target.closest?.(".stop-reply")) {
+      event.stopImmediatePropagation();
+      event.preventDefault();
+    }
+  }, true);
 }"""
 
 
@@ -65,6 +79,17 @@ class StopSignal:
 
     def renew(self) -> None:
         self.event = threading.Event()
+
+
+@contextmanager
+def send_slot(prefix: str, min_width: int, scale: int = 0) -> Iterator[gr.Column]:
+    """Where a view's send button and its Stop take turns: a column at least
+    ``min_width`` wide that keeps its place in the frame where neither shows yet. Without
+    it the control beside them slid into their place for that frame and took the second
+    click of a double-click on Send ("pin this message" ticked, the conversations reset,
+    a new story begun)."""
+    with gr.Column(scale=scale, min_width=min_width, elem_id=f"{prefix}-send-slot") as slot:
+        yield slot
 
 
 def stop_button(prefix: str) -> gr.Button:

@@ -92,17 +92,24 @@ def unpin_choices(pins: Iterable[Pin]) -> list[tuple[str, int]]:
     return [(f"{p.id}: {_cut(p.text, 40)} ({p.tokens} tokens)", p.id) for p in pins if not p.fixed]
 
 
-def carry_pins(old: Session, new: Session, resent: str | None = None) -> None:
+def carry_pins(old: Session, new: Session, resent: str | None = None, then: str | None = None) -> list[str]:
     """Pin in ``new`` (a fresh session on an edited history) the text of ``old``'s pins,
     each at the occurrence nearest its old place; a warning for each whose text is gone.
-    A pin of the text ``resent`` is left to the message that sends it again, pinned."""
+    A pin of the text ``resent`` is left to the message that sends it again, pinned; the
+    texts of the pins found only in ``then``, the message about to be sent on ``new``
+    (regenerate, edit), are returned, to be pinned as it is sent (``pin_parts``)."""
+    in_message = []
     for pin in old.pins():
         if pin.fixed or (resent is not None and same_text(pin.text, resent)):
             continue
         try:
             new.pin(pin.text, near=pin.start)
         except ValueError as err:
-            gr.Warning(html.escape(f"Pin {pin.id} was dropped: {err}"))
+            if then is not None and "".join(pin.text.split()) in "".join(then.split()):
+                in_message.append(pin.text)
+            else:
+                gr.Warning(html.escape(f"Pin {pin.id} was dropped: {err}"))
+    return in_message
 
 
 def warn_dropped_pins(old: Session | None) -> None:
