@@ -144,6 +144,10 @@ def test_malformed_bodies_get_400_and_the_server_stays_up(url):
                               (b"[" + b"0," * 4999 + b"0]", "the request body holds 5,000 JSON values "
                                                             "besides strings; the limit is 4,176"),
                               (b"[1, 2]", "the request body must be a JSON object, got an array"),
+                              # Read as its first value by other readers (QA: taken as the last).
+                              (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, '
+                               b'"max_tokens": 9000}',
+                               "the request body: the key 'max_tokens' is given twice in one object: keep one"),
                               (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
                                "messages[0].content contains an unpaired surrogate (U+D800) at character 0"),
                               (b'{"messages": [{"role": "user", "content": "Hi"}], "stop": ["ok", "\\ud800"]}',

@@ -125,6 +125,12 @@ def test_compare_view_gauge(smollm):
     typed = panel.on_step(view.state, first.position)
     assert typed[panel.step] == first.position and f'data-step="{first.position}"' in typed[panel.detail]
     assert "no prediction recorded at token 1" in panel.on_step(view.state, 1)[panel.detail]
+    # QA: -1 got Gradio's message naming no box, 2.5 showed token 2.
+    last_token = len(probe.session.tokens) - 1
+    for typed in (-1.0, 2.5, float("nan")):
+        refused = panel.on_step(view.state, typed)
+        assert refused[panel.step] is typed and (f"token shown = {typed:g}: must be a token's number, a whole "
+                                                 f"number from 0 to {last_token}") in refused[panel.detail]
 
     # Turned off, the next message runs without the shadow.
     view.set(fidelity=False)

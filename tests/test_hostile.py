@@ -332,6 +332,8 @@ IMPORT_CASES = [
     ("300 strings as the version", conversation(version=["x" * 1000] * 300), "version",
      r"^unknown conversation file version \['x{37}\.\.\.x{38}', 'x{37}\.\.\.x{38}', 'x{37}\.\.\.x{38}', "
      r"'x{37}\.\.\.x{38}', \.\.\.\] \(this app reads version 1\)$"),
+    ("messages given twice", conversation().replace(b'"messages": []', b'"messages": [], "messages": []'),
+     "conversation file", "^conversation file: the key 'messages' is given twice in one object: keep one$"),
     ("Infinity as the version", conversation().replace(b'"version": 1', b'"version": Infinity'),
      "conversation file", r"invalid JSON \(Infinity is not a JSON number\)"),
 ]

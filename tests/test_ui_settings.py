@@ -76,7 +76,8 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
         settings.sampling(values(settings), max_new_tokens=4.5)
     top = 2**63 - 1  # torch's generators take no larger seed
     for changed, message in [(dict(seed="abc"), f"generation.seed = 'abc': must be an integer from 0 to {top}"),
-                             (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}"),
+                             (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}, "
+                                              "or empty for a new seed per reply"),
                              (dict(seed=str(2**64)), f"generation.seed = {2**64}: must be an integer from 0 to {top}"),
                              (dict(top_p=0), "generation.top_p = 0.0"),
                              # Refused, not run as 4 while the slider shows 5.
@@ -114,7 +115,8 @@ def test_bad_bits_and_budgets_are_refused_by_name():
     settings = panel(AppConfig())
     for changed, message in [
             (dict(budget_mb="lots"), "cache.budget_mb = 'lots': must be a number of megabytes, or empty"),
-            (dict(budget_mb="-1"), "cache.budget_mb = -1.0: must be a number of megabytes > 0 and <= 1000000"),
+            (dict(budget_mb="-1"), "cache.budget_mb = -1.0: must be a number of megabytes > 0 and <= 1000000, "
+                                   "or empty for the slot counts"),
             (dict(key_bits="3"), "cache.key_bits = 3: must be one of 32, 16, 8, 4"),
             (dict(budget_mb="2", policy="full"), "cache.budget_mb is set but cache.policy is 'full'")]:
         with pytest.raises(Refusal, match=re.escape(message)):
@@ -123,9 +125,9 @@ def test_bad_bits_and_budgets_are_refused_by_name():
 
 @pytest.mark.parametrize("changed, message", [
     # What the page's endpoints can be sent besides the dropdowns' choices (any JSON value).
-    (dict(key_bits=3), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
-    (dict(value_bits=0), "cache.value_bits = 0: must be one of 32, 16, 8, 4, or null"),
-    (dict(key_bits=" 3 "), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or null"),
+    (dict(key_bits=3), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or model's dtype"),
+    (dict(value_bits=0), "cache.value_bits = 0: must be one of 32, 16, 8, 4, or model's dtype"),
+    (dict(key_bits=" 3 "), "cache.key_bits = 3: must be one of 32, 16, 8, 4, or model's dtype"),
     (dict(key_bits=8.0), "cache.key_bits = 8.0: expected int or null, got float; must be one of 32, 16, 8, 4"),
     (dict(key_bits=["8"]), "cache.key_bits = ['8']: expected int or null, got list; must be one of 32, 16, 8, 4"),
     (dict(value_bits="eight"), "cache.value_bits = 'eight': expected int or null, got str; must be one of 32, 16, 8, 4"),

@@ -46,6 +46,21 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A key given twice is read as its last value here and as its first by some other
+    # readers (a proxy, a validator): refused, as a header sent twice is.
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKey(f"the key {quoted(key)} is given twice in one object: keep one")
+        found[key] = value
+    return found
+
+
 def read_json(data: bytes | str, what: str, max_bytes: int, max_values: int) -> Any:
     """The JSON document ``data`` (at most ``max_bytes`` long, ``max_values`` values
     besides strings, nested at most ``MAX_DEPTH`` deep); InputError naming ``what``
@@ -64,9 +79,11 @@ def read_json(data: bytes | str, what: str, max_bytes: int, max_values: int) -> 
             raise InputError(f"{what} holds {values:,} JSON values besides strings; the limit is "
                              f"{max_values:,}", what)
     try:
-        document = json.loads(data, parse_int=_integer, parse_constant=_no_constant)
+        document = json.loads(data, parse_int=_integer, parse_constant=_no_constant, object_pairs_hook=_object)
     except RecursionError:
         raise InputError(f"{what} is nested deeper than {MAX_DEPTH} levels", what) from None
+    except _RepeatedKey as err:
+        raise InputError(f"{what}: {err}", what) from None
     except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
         raise InputError(f"{what}: invalid JSON ({err})", what) from None
     _check_depth(document, what)

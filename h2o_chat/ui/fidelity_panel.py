@@ -153,7 +153,9 @@ class FidelityPanel:
                                        color_map={AGREE: "#2563eb", DIFFER: "#dc2626"},
                                        title="KL(full ‖ bounded) per predicted token",
                                        visible=False, elem_id=f"{prefix}-fidelity-plot")
-            self.step = gr.Number(None, precision=0, minimum=0, visible=False,
+            # No minimum or precision for Gradio to enforce: it refused -1 with a message
+            # naming no box (and a traceback in the log) and showed 2.5 as token 2.
+            self.step = gr.Number(None, visible=False,
                                   label="token shown: type one and press Enter (empty: the "
                                   "largest KL of this reply)", elem_id=f"{prefix}-fidelity-step")
             self.detail = gr.HTML(css_template=FIDELITY_CSS, js_on_load=SHOW_FIRST_MARK,
@@ -215,7 +217,10 @@ class FidelityPanel:
     def on_step(self, state, step: float | None) -> dict:
         if state is None or state.probe is None:
             return unchanged(self.detail)
-        state.fidelity_step = None if step is None else int(step)
         points, tokens = list(state.probe.points), list(state.probe.session.tokens)
+        if step is not None and not (step >= 0 and float(step).is_integer()):
+            return {self.step: step, self.detail: f'<div class="fidsum">token shown = {step:g}: must be a token\'s '
+                                                  f"number, a whole number from 0 to {len(tokens) - 1}</div>"}
+        state.fidelity_step = None if step is None else int(step)
         since = len(tokens) - len(state.probe.session.reply)
         return self._detail(state, points, tokens, since)

@@ -254,11 +254,21 @@ def budget(cache: CacheConfig, model: Any = None) -> int | None:
     return None if model is None else new_cache(model, cache).policy.capacity
 
 
+# What the page offers for the fields the config lets be null (an empty box, a choice): its
+# refusals say so rather than "or null", which the page has no way to give.
+_EMPTY_MEANS = {"generation.seed": "or empty for a new seed per reply",
+                "cache.budget_mb": "or empty for the slot counts",
+                "cache.key_bits": f"or {MODEL_DTYPE}", "cache.value_bits": f"or {MODEL_DTYPE}"}
+
+
 def _checked(config: AppConfig) -> AppConfig:
     try:
         return validate(config)
     except ConfigError as err:
-        raise Refusal(str(err)) from None
+        message = str(err)
+        if err.field in _EMPTY_MEANS and message.endswith(", or null"):
+            message = message.removesuffix("or null") + _EMPTY_MEANS[err.field]
+        raise Refusal(message) from None
 
 
 def _seed(text: str) -> int | None:
@@ -268,7 +278,7 @@ def _seed(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise Refusal(f"generation.seed = {text.strip()[:40]!r}: must be an integer from 0 to {2**63 - 1}, "
-                      "or empty for a new seed per reply") from None
+                      + _EMPTY_MEANS["generation.seed"]) from None
 
 
 def _whole(value: Any) -> Any:
@@ -324,4 +334,4 @@ def _megabytes(text: str | None) -> float | None:
         return float(text)
     except ValueError:
         raise Refusal(f"cache.budget_mb = {str(text).strip()[:40]!r}: must be a number of megabytes, "
-                      "or empty for the slot counts") from None
+                      + _EMPTY_MEANS["cache.budget_mb"]) from None
