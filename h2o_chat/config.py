@@ -354,7 +354,18 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else tp.__name__
 
 
-_SHOWN = reprlib.Repr()
+class _Quoting(reprlib.Repr):
+    """Python's repr cut short, with true, false and null as JSON and YAML spell them: the
+    values come from those (``temperature = True`` quoted a client that sent ``true``)."""
+
+    def repr_bool(self, value: bool, level: int) -> str:
+        return "true" if value else "false"
+
+    def repr_NoneType(self, value: None, level: int) -> str:
+        return "null"
+
+
+_SHOWN = _Quoting()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 80, 80
 
 

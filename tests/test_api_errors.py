@@ -119,7 +119,7 @@ def refusal(url, status, **request):
                                                     "server (no penalties)"),
     ({"frequency_penalty": "abc"}, "frequency_penalty", "frequency_penalty = 'abc': must be a number from -2 to 2"),
     ({"frequency_penalty": 3}, "frequency_penalty", "frequency_penalty = 3: must be a number from -2 to 2"),
-    ({"presence_penalty": True}, "presence_penalty", "presence_penalty = True: must be a number from -2 to 2"),
+    ({"presence_penalty": True}, "presence_penalty", "presence_penalty = true: must be a number from -2 to 2"),
     ({"extra_body": {"logit_bias": 0}}, "logit_bias", "logit_bias is not supported by this server (plain chat only)"),
 ])
 def test_bad_fields_get_400_naming_the_field_and_the_allowed_range(url, request_fields, param, message):

@@ -274,13 +274,13 @@ def test_other_cache_settings_are_refused_naming_both_values(smollm, chat_file):
             cache=small_cache(model, heavy=32))
     refused(smollm, chat_file, "cache.policy = 'h2o' in the file, 'sink' in this cache",
             cache=small_cache(model, policy="sink"))
-    refused(smollm, chat_file, "cache.rolling = False in the file, True in this cache",
+    refused(smollm, chat_file, "cache.rolling = false in the file, true in this cache",
             cache=small_cache(model, rolling=True))
     with pytest.raises(SettingsMismatch) as refusal:
         load_session(chat_file, model, smollm[1], small_cache(model, heavy=24, recent=8, rolling=True))
     assert str(refusal.value).startswith(
         "cache.heavy = 16 in the file, 24 in this cache; cache.recent = 16 in the file, 8 in this cache; "
-        "cache.rolling = False in the file, True in this cache: change the cache settings")
+        "cache.rolling = false in the file, true in this cache: change the cache settings")
     assert [d.name for d in refusal.value.differences] == ["heavy", "recent", "rolling"]
 
 
@@ -560,7 +560,7 @@ def test_a_file_of_other_cache_settings_is_resumed_with_them_on_request(views):
         refused = files.on_resume(page | {files.resume: path})
     assert chat.state not in refused
     assert ("cache.heavy = 16 in the file, 32 on the page; cache.recent = 16 in the file, 8 on the page; "
-            "cache.rolling = False in the file, True on the page") in refused[files.status]
+            "cache.rolling = false in the file, true on the page") in refused[files.status]
     assert refused[files.adopt]["visible"] is True
 
     adopted = files.on_adopt(page | {files.mismatched: refused[files.mismatched]})

@@ -80,13 +80,13 @@ def parse_chat_request(body: Any, defaults: GenerationConfig, limits: InputLimit
         raise invalid("model", f"model must be a string of at most {MAX_MODEL_CHARS} characters")
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
-        raise invalid("n", f"n = {n!r}: must be 1 (one choice per request)")
+        raise invalid("n", f"n = {quoted(n)}: must be 1 (one choice per request)")
     max_tokens, max_name = _max_tokens(body, defaults.max_new_tokens)
     ignore_eos = _bool(body, "ignore_eos", False)
     min_tokens = body.get("min_tokens")
     min_tokens = 0 if min_tokens is None else min_tokens
     if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
-        raise invalid("min_tokens", f"min_tokens = {min_tokens!r}: must be an integer from 0 to "
+        raise invalid("min_tokens", f"min_tokens = {quoted(min_tokens)}: must be an integer from 0 to "
                                     f"{max_name} ({max_tokens})")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
@@ -122,7 +122,7 @@ def _penalty(name: str, value: Any) -> None:
         return
     if type(value) not in (int, float) or not -2 <= value <= 2:
         raise invalid(name, f"{name} = {short(value)}: must be a number from -2 to 2")
-    raise invalid(name, f"{name} = {value!r}: only 0 is supported by this server (no penalties)")
+    raise invalid(name, f"{name} = {quoted(value)}: only 0 is supported by this server (no penalties)")
 
 
 def _json_type(value: Any) -> str:
@@ -136,7 +136,7 @@ def _bool(body: Mapping, name: str, default: bool, prefix: str = "") -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(prefix + name, f"{prefix}{name} = {value!r}: must be true or false")
+        raise invalid(prefix + name, f"{prefix}{name} = {quoted(value)}: must be true or false")
     return value
 
 
@@ -166,7 +166,7 @@ def _seed(value: Any) -> int | None:
     if value is None:
         return None
     if type(value) is not int or not 0 <= value <= MAX_SEED:
-        raise invalid("seed", f"seed = {value!r}: must be an integer from 0 to {MAX_SEED}, or null")
+        raise invalid("seed", f"seed = {quoted(value)}: must be an integer from 0 to {MAX_SEED}, or null")
     return value
 
 
@@ -214,11 +214,11 @@ def _messages(value: Any, default_system: str, limits: InputLimits) -> tuple[Mes
         raise invalid(err.field, str(err)) from None
     for index, message in enumerate(messages[1:], start=1):
         if message.role == "system":  # as sent: system or developer
-            raise invalid(f"messages[{index}].role", f"messages[{index}].role = {value[index]['role']!r}: "
+            raise invalid(f"messages[{index}].role", f"messages[{index}].role = {quoted(value[index]['role'])}: "
                                                      "a system (or developer) message may only come first")
     last = len(messages) - 1
     if messages[-1].role != "user":
-        raise invalid(f"messages[{last}].role", f"messages[{last}].role = {messages[-1].role!r}: "
+        raise invalid(f"messages[{last}].role", f"messages[{last}].role = {quoted(messages[-1].role)}: "
                                                 "the last message must be the user's")
     if is_blank(messages[-1].content):  # caught here, before a stream's first event goes out
         raise invalid(f"messages[{last}].content", f"messages[{last}].content is empty: the user "
