@@ -247,11 +247,11 @@ _WATCH_EVENT = """() => {
 }"""
 
 
-def start_and_wait(page: Page, click: str, double: bool = False) -> None:
-    """Click ``click`` (twice at once, where ``double``) and wait until the event it starts
-    has finished: the status trackers of its outputs showed, and are hidden again."""
+def start_and_wait(page: Page, click: str) -> None:
+    """Click ``click`` and wait until the event it starts has finished: the status trackers
+    of its outputs showed, and are hidden again."""
     event = page.evaluate_handle(_WATCH_EVENT)
-    page.dblclick(click) if double else page.click(click)
+    page.click(click)
     page.wait_for_function("event => event.done()", arg=event, timeout=DONE_TIMEOUT_MS)
     event.dispose()
 

@@ -5,8 +5,6 @@ stage of the turn: waiting in the queue, reading the prompt, or generating."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import gradio as gr
 from gradio.events import Dependency, EventListenerMethod
@@ -79,17 +77,6 @@ class StopSignal:
 
     def renew(self) -> None:
         self.event = threading.Event()
-
-
-@contextmanager
-def send_slot(prefix: str, min_width: int, scale: int = 0) -> Iterator[gr.Column]:
-    """Where a view's send button and its Stop take turns: a column at least
-    ``min_width`` wide that keeps its place in the frame where neither shows yet. Without
-    it the control beside them slid into their place for that frame and took the second
-    click of a double-click on Send ("pin this message" ticked, the conversations reset,
-    a new story begun)."""
-    with gr.Column(scale=scale, min_width=min_width, elem_id=f"{prefix}-send-slot") as slot:
-        yield slot
 
 
 def stop_button(prefix: str) -> gr.Button:
