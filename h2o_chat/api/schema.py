@@ -14,7 +14,7 @@ from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field, quoted
 from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text, is_blank
-from h2o_chat.inputs.text import check_chars, check_count, check_unicode
+from h2o_chat.inputs.text import check_chars, check_count, check_unicode, shorten
 
 from .errors import invalid
 
@@ -270,6 +270,5 @@ def _content(where: str, value: Any) -> str:
 
 def short(value: Any, limit: int = 40) -> str:
     """``value`` quoted for a message (``quoted``), cut to ``limit`` characters."""
-    text = quoted(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shorten(quoted(value), limit)
 
