@@ -32,6 +32,10 @@ MAX_EXACT_WINDOW = 1024
 MEGABYTE = 1_000_000
 MAX_BUDGET_MB = 1_000_000
 MAX_BUDGET_BYTES = MAX_BUDGET_MB * MEGABYTE
+# The most new tokens a reply may ask for, and the hottest sampling (generation.*): the
+# page's sliders cover the usual values and their boxes take any up to these.
+MAX_NEW_TOKENS = 32768
+MAX_TEMPERATURE = 10.0
 
 
 @dataclass
@@ -228,9 +232,9 @@ _RULES: dict[str, _Rule] = {
     "cache.budget_mb": _Rule(lambda v: 0 < v <= MAX_BUDGET_MB,
                              f"must be a number of megabytes > 0 and <= {MAX_BUDGET_MB}"),
     "cache.prefill_chunk_size": _int_at_least(1),
-    "generation.max_new_tokens": _int_between(1, 32768),
+    "generation.max_new_tokens": _int_between(1, MAX_NEW_TOKENS),
     "generation.temperature": _Rule(
-        lambda v: 0.0 <= v <= 10.0, "must be a number from 0 to 10 (0 = greedy decoding)"
+        lambda v: 0.0 <= v <= MAX_TEMPERATURE, f"must be a number from 0 to {MAX_TEMPERATURE:g} (0 = greedy decoding)"
     ),
     "generation.top_p": _Rule(lambda v: 0.0 < v <= 1.0, "must be a number > 0 and <= 1"),
     "generation.seed": _int_between(0, 2**63 - 1),  # torch's generators take no larger seed

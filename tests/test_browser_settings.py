@@ -9,8 +9,8 @@ from __future__ import annotations
 from playwright.sync_api import expect
 
 from .browser_support import (
-    after_next_frame, configure, gauge, open_app, open_tab, ran_with, running_app, send, show_settings, shown_settings,
-    start_and_wait, typed_settings,
+    after_next_frame, configure, gauge, open_app, open_tab, ran_with, running_app, send, set_number, show_settings,
+    shown_settings, start_and_wait, typed_settings,
 )
 
 # Each page its own settings, none of them the defaults (temperature 0.7, top-p 0.9,
@@ -137,3 +137,28 @@ def test_a_slider_whose_box_is_emptied_keeps_its_value(page):
     open_tab(page, "Chat")
     send(page, "#chat-input", "#chat-send", TURNS[0])
     assert_ran_with_typed(page, "chat", PAGES[0])
+
+
+def test_a_value_typed_past_a_sliders_end_runs_as_typed_or_is_refused_by_name(page):
+    """Gradio's slider put a value typed into its box back inside the slider's ends without
+    a word (5000 new tokens ran as 1024, temperature 3 as 2). A value the config's rules
+    allow runs as typed; one they do not is refused by name, the message kept to send again."""
+    # Top-p 0.01 keeps only the likeliest token: the reply ends as a greedy one does.
+    configure(page, temperature=3, top_p=0.01, max_new_tokens=1500)
+    send(page, "#chat-input", "#chat-send", TURNS[0])
+    ran = ran_with(page, "chat")
+    assert (ran["temperature"], ran["top-p"], ran["max-new-tokens"]) == ("3", "0.01", "1500")
+    set_number(page, "max-new-tokens", 40000)
+    page.fill("#chat-input textarea", TURNS[1])
+    page.click("#chat-send")
+    expect(page.locator("[data-testid=toast-body]",
+                        has_text="generation.max_new_tokens = 40000: must be an integer from 1 to 32768")
+           ).to_have_count(1)
+    expect(page.locator("#chat-input textarea")).to_have_value(TURNS[1])
+    open_tab(page, "Story")
+    set_number(page, "story-tokens", 0)
+    page.fill("#story-text textarea", "The storm reached the island at dusk.")
+    page.click("#story-continue")
+    expect(page.locator("[data-testid=toast-body]",
+                        has_text="generation.max_new_tokens = 0: must be an integer from 1 to 32768")
+           ).to_have_count(1)

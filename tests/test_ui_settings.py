@@ -70,6 +70,10 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
     assert settings.sampling(values(settings))["seed"] is None
     assert settings.sampling(values(settings, seed=" 7 "))["seed"] == 7
     assert settings.sampling(values(settings, max_new_tokens=12.0))["max_new_tokens"] == 12
+    # Past the slider's ends (temperature 2, 1024 tokens), within the config's rules: as typed.
+    assert settings.sampling(values(settings, temperature=3, max_new_tokens=5000)) == {
+        "temperature": 3.0, "top_p": 0.9, "max_new_tokens": 5000, "seed": None}
+    assert settings.temperature.preprocess(3) == 3 and settings.max_new_tokens.preprocess(5000) == 5000
     # A view's own count (the story's tokens per continue) in place of the shared one, checked alike.
     assert settings.sampling(values(settings), max_new_tokens=48.0)["max_new_tokens"] == 48
     with pytest.raises(Refusal, match=re.escape("generation.max_new_tokens = 4.5: expected int, got float")):
@@ -79,7 +83,13 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
                              (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}, "
                                               "or empty for a new seed per reply"),
                              (dict(seed=str(2**64)), f"generation.seed = {2**64}: must be an integer from 0 to {top}"),
-                             (dict(top_p=0), "generation.top_p = 0.0"),
+                             (dict(top_p=0), "generation.top_p = 0: must be a number > 0 and <= 1"),
+                             # Past the slider's end, and past the config's: refused by the config's rule.
+                             (dict(max_new_tokens=40000), "generation.max_new_tokens = 40000: must be an "
+                                                          "integer from 1 to 32768"),
+                             (dict(temperature=11), "generation.temperature = 11: must be a number from 0 to 10"),
+                             # Sent to the page's endpoint by hand.
+                             (dict(temperature="hot"), "generation.temperature = 'hot': expected float, got str"),
                              # Refused, not run as 4 while the slider shows 5.
                              (dict(max_new_tokens=4.5), "generation.max_new_tokens = 4.5: expected int, got float")]:
         with pytest.raises(Refusal, match=re.escape(message)):

@@ -10,7 +10,9 @@ from typing import Any
 
 import gradio as gr
 
-from h2o_chat.config import POLICIES, STORAGE_BITS, AppConfig, Budget, CacheConfig, ConfigError, validate
+from h2o_chat.config import (
+    MAX_NEW_TOKENS, MAX_TEMPERATURE, POLICIES, STORAGE_BITS, AppConfig, Budget, CacheConfig, ConfigError, validate,
+)
 from h2o_chat.engine.build import BUDGETS, cache_from_config, policy_from_config
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.state import SettingDifference
@@ -20,24 +22,43 @@ from .refusals import Refusal
 MODEL_DTYPE = "model's dtype"  # the bits choice that stores keys or values as the model computes them
 # Runs in the page as it loads: the settings panel, built open, folded (see Settings).
 FOLD_PANEL = """() => ({__type__: "update", open: false})"""
-# Runs in the page as it loads. Gradio's slider takes its minimum for a number box left
-# empty (or holding no number), without a word: temperature 0, top-p 0.05, one new token.
-# Such a box gets back the value it had when it was focused, before Gradio's own blur
-# handler (this listens in the capture phase) reads it.
-KEEP_EMPTIED_SLIDERS = """() => {
-  const sliderBox = t => t instanceof HTMLInputElement && t.type === "number"
-                         && t.closest(".block")?.querySelector("input[type=range]");
+# Runs in the page as it loads. Gradio's slider puts a value typed into its number box
+# back inside the slider's ends as the box loses focus, without a word: 5000 new tokens
+# ran as 1024, temperature 3 as 2, where the config's rules allow 32768 and 10. A value
+# past the ends is kept (``TypedSlider`` hands it to those rules, which refuse what they
+# do not allow, by name); a box left empty (or holding no number), which Gradio took for
+# the minimum (temperature 0, one new token), gets back the value it had when focused.
+# This listens in the capture phase, before Gradio's own blur handler.
+KEEP_TYPED_SLIDER_VALUES = """() => {
+  const sliderOf = t => t instanceof HTMLInputElement && t.type === "number"
+                        && t.closest(".block")?.querySelector("input[type=range]");
   const before = new WeakMap();
   document.addEventListener("focusin", (event) => {
-    if (sliderBox(event.target)) before.set(event.target, event.target.value);
+    if (sliderOf(event.target)) before.set(event.target, event.target.value);
   });
   document.addEventListener("blur", (event) => {
-    const box = event.target;
-    if (!sliderBox(box) || box.value !== "" || !before.has(box)) return;
-    box.value = before.get(box);
-    box.dispatchEvent(new Event("input", {bubbles: true}));
+    const box = event.target, slider = sliderOf(box);
+    if (!slider) return;
+    if (box.value === "") {
+      if (!before.has(box)) return;
+      box.value = before.get(box);
+      box.dispatchEvent(new Event("input", {bubbles: true}));
+    } else if (Number(box.value) < Number(slider.min) || Number(box.value) > Number(slider.max)) {
+      event.stopPropagation();
+    }
   }, true);
 }"""
+
+
+class TypedSlider(gr.Slider):
+    """A slider for the usual values whose number box takes any other: the handlers check
+    its value by the config's rules, by name, where Gradio's own check refused a value past
+    the slider's ends with a message naming nothing and a traceback in the server log."""
+
+    is_template = True  # drawn by Gradio's slider
+
+    def preprocess(self, payload: Any) -> Any:
+        return payload
 
 
 class Settings:
@@ -54,17 +75,19 @@ class Settings:
         # word, and the next reply ran with it (a frame comes late on a loaded machine).
         with gr.Accordion("Sampling and cache settings", open=True, elem_id="settings") as self.panel:
             with gr.Row():
-                self.temperature = gr.Slider(
+                self.temperature = TypedSlider(
                     0, max(2.0, gen.temperature), value=gen.temperature, step=0.05,
                     label="temperature (0 = greedy)", elem_id="temperature",
-                    info="0 always picks the likeliest next token; higher = more varied")
-                self.top_p = gr.Slider(0.05, 1.0, value=gen.top_p, step=0.05, label="top-p",
-                                       elem_id="top-p",
-                                       info="pick only among the likeliest tokens that "
-                                            "together have this much chance (1 = any)")
-                self.max_new_tokens = gr.Slider(
+                    info="0 always picks the likeliest next token; higher = more varied "
+                         f"(type up to {MAX_TEMPERATURE:g})")
+                self.top_p = TypedSlider(0.05, 1.0, value=gen.top_p, step=0.05, label="top-p",
+                                         elem_id="top-p",
+                                         info="pick only among the likeliest tokens that "
+                                              "together have this much chance (1 = any)")
+                self.max_new_tokens = TypedSlider(
                     1, max(1024, gen.max_new_tokens), value=gen.max_new_tokens, step=1,
-                    label="max new tokens per reply", elem_id="max-new-tokens")
+                    label="max new tokens per reply", elem_id="max-new-tokens",
+                    info=f"type up to {MAX_NEW_TOKENS}")
                 # A text box: Gradio's number box shows (and sends) 0 when empty, which
                 # made every reply repeat the last one.
                 self.seed = gr.Textbox("" if gen.seed is None else str(gen.seed),
@@ -122,9 +145,9 @@ class Settings:
 
     def load_in_page(self, demo: gr.Blocks) -> None:
         """What the page does as it loads, without a server round trip: it folds the panel
-        before a user can reach it, and keeps emptied sliders at their value."""
+        before a user can reach it, and keeps what was typed into a slider's box."""
         demo.load(None, None, self.panel, js=FOLD_PANEL, queue=False, show_progress="hidden")
-        demo.load(None, js=KEEP_EMPTIED_SLIDERS)
+        demo.load(None, js=KEEP_TYPED_SLIDER_VALUES)
 
     @property
     def components(self) -> set[gr.components.Component]:
@@ -138,8 +161,8 @@ class Settings:
         ``max_new_tokens``: a view's own control's value, in place of the shared one."""
         tokens = values[self.max_new_tokens] if max_new_tokens is None else max_new_tokens
         generation = dataclasses.replace(
-            self.config.generation, temperature=float(values[self.temperature]),
-            top_p=float(values[self.top_p]), max_new_tokens=_whole(tokens),
+            self.config.generation, temperature=values[self.temperature],
+            top_p=values[self.top_p], max_new_tokens=_whole(tokens),
             seed=_seed(values[self.seed]))
         generation = _checked(dataclasses.replace(self.config, generation=generation)).generation
         return {name: getattr(generation, name)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from h2o_chat.config import AppConfig, CacheConfig, for_story
+from h2o_chat.config import MAX_NEW_TOKENS, AppConfig, CacheConfig, for_story
 from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import StorySession
@@ -19,7 +19,7 @@ from .map_panel import MapPanel, gauge_and_map
 from .pin_panel import PinPanel, warn_dropped_pins
 from .refusals import Refusal, refusing
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
-from .settings import Settings, budget, check_fits, new_cache
+from .settings import Settings, TypedSlider, budget, check_fits, new_cache
 from .streaming import in_slot, reply_failed, stream_turn
 from .view_state import (
     ViewState, admit, browser_state, close_state, generating, not_streaming, unchanged, wait_for_model,
@@ -86,8 +86,8 @@ class StoryTab:
                     lines=10, max_lines=30, elem_id="story-text",
                     label="Story so far: edit it freely, then continue",
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
-                self.tokens = gr.Slider(1, 1024, value=64, step=1,
-                                        label="tokens per continue", elem_id="story-tokens")
+                self.tokens = TypedSlider(1, 1024, value=64, step=1, label="tokens per continue",
+                                          elem_id="story-tokens", info=f"type up to {MAX_NEW_TOKENS}")
                 with gr.Row(elem_id="story-continue-row"):
                     self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
                     self.stop = stop_button("story")
