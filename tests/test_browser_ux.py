@@ -467,3 +467,29 @@ def test_the_second_click_of_a_double_click_on_send_is_no_stop(page):
     page.wait_for_selector(".generating", state="detached")
     assert messages(page, "chatbot", "user") == ["Name three fruits."]
     assert not [chip for chip in page.locator("#chatbot .option").all_inner_texts() if "stopped" in chip]
+
+
+def test_the_second_click_of_a_double_click_on_send_touches_nothing_beside_it(page):
+    """QA: in the frame where Send is hidden and Stop not drawn yet, the control beside them
+    slid under the pointer, and the second click of a fast double-click on Send ticked
+    "pin this message". That click, wherever it lands, is part of the click on Send."""
+    configure(page, max_new_tokens=64)
+    show_settings(page, False)
+    page.fill("#chat-input textarea", "Name three fruits.")
+    send = page.locator("#chat-send").bounding_box()
+    page.mouse.click(send["x"] + send["width"] / 2, send["y"] + send["height"] / 2)
+    expect(page.locator("#chat-stop")).to_be_visible()
+    pin = page.locator("#chat-pin-message input")
+    # The turn's first update unticks the box, so a tick is caught as it happens.
+    pin.evaluate("box => box.addEventListener('change', () => { window.pinTicked = true; })")
+    place = pin.bounding_box()
+    # The control that slid under the pointer takes the browser's second click.
+    page.mouse.move(place["x"] + place["width"] / 2, place["y"] + place["height"] / 2)
+    page.mouse.down(click_count=2)
+    page.mouse.up(click_count=2)
+    expect(page.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    assert not page.evaluate("window.pinTicked"), "the second click ticked 'pin this message'"
+    expect(pin).not_to_be_checked()
+    assert messages(page, "chatbot", "user") == ["Name three fruits."]
+    pin.click()  # a click of its own still ticks it
+    expect(pin).to_be_checked()

@@ -14,7 +14,7 @@ from h2o_chat.runtime import ModelProvider
 from .chat_box import COPY_AS_TYPED
 from .chat_tab import ChatTab
 from .compare_tab import CompareTab
-from .controls import ESC_STOPS, STOP_TAKES_ONE_CLICK, SendStopSwap, ended_either_way
+from .controls import ESC_STOPS, ONE_CLICK_SENDS_OR_STOPS, SendStopSwap, ended_either_way
 from .files_panel import FILES_KEPT_S
 from .reload_notice import say_when_reloaded
 from .settings import Settings
@@ -83,7 +83,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         demo.unload(release)
         settings.load_in_page(demo)
         fit_screen_width(demo)
-        for script in (ESC_STOPS, STOP_TAKES_ONE_CLICK, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW,
+        for script in (ESC_STOPS, ONE_CLICK_SENDS_OR_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW,
                        STORY_READ_ONLY_WHILE_STREAMING, COPY_AS_TYPED):
             demo.load(None, js=script)
     return demo

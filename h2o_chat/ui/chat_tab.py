@@ -12,7 +12,7 @@ from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import ChatSession, chat_session
 
 from .chat_box import ChatBox, typed_text
-from .controls import SendStopSwap, stop_button
+from .controls import SendStopSwap, send_button, stop_button
 from .files_panel import ChatFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
@@ -113,8 +113,7 @@ class ChatTab:
                                            label="Message", show_label=False, scale=5,
                                            elem_id="chat-input")
                     self.pin_message = pin_message_checkbox("chat")
-                    self.send = gr.Button("Send", variant="primary", scale=0, min_width=100,
-                                          elem_id="chat-send")
+                    self.send = send_button("Send", "chat-send", scale=0, min_width=100)
                     self.stop = stop_button("chat")
                 with gr.Row():
                     self.regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")

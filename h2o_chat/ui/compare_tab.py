@@ -17,7 +17,7 @@ from h2o_chat.sessions import ChatSession, chat_session
 
 from .chat_box import ChatBox
 from .chat_tab import echo_while_loading, shown_messages
-from .controls import SendStopSwap, stop_button
+from .controls import SendStopSwap, send_button, stop_button
 from .fidelity_panel import FidelityPanel
 from .gauges import (
     GAUGE_CSS, MEMORY, SLOTS, Gauge, TurnSeries, empty_gauge, gauge_html,
@@ -149,8 +149,7 @@ class CompareTab:
             self.text = gr.Textbox(placeholder="A message for both",
                                    label="Message for both", show_label=False, scale=5,
                                    elem_id="compare-input")
-            self.send = gr.Button("Send to both", variant="primary", scale=0, min_width=160,
-                                  elem_id="compare-send")
+            self.send = send_button("Send to both", "compare-send", scale=0, min_width=160)
             self.stop = stop_button("compare")
             self.reset = gr.Button("Reset", scale=0, min_width=100, elem_id="compare-reset")
         with gr.Row():

@@ -5,6 +5,7 @@ stage of the turn: waiting in the queue, reading the prompt, or generating."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import gradio as gr
 from gradio.events import Dependency, EventListenerMethod
@@ -22,12 +23,18 @@ ESC_STOPS = """() => {
   });
 }"""
 
-# Runs once in the page: the second click of a double-click on a send button lands on the
-# Stop now in its place, and stopped the turn before its reply ("Stopped before the reply
-# began"). A Stop is one click: the rest of a multi-click is dropped before Gradio sees it.
-STOP_TAKES_ONE_CLICK = """() => {
+# Runs once in the page: a double-click on a send button is one send. Its second click
+# landed on the Stop now in Send's place, and stopped the turn before its reply ("Stopped
+# before the reply began"); or, in the frame where Send is hidden and Stop not drawn yet,
+# on the control beside them that slid under the pointer (pin this message, Reset, New
+# story). The rest of a multi-click that began on a send button, or that lands on a Stop
+# (a Stop is one click), is dropped before Gradio or the browser acts on it.
+ONE_CLICK_SENDS_OR_STOPS = """() => {
+  let began = null;
   document.addEventListener("click", (event) => {
-    if (event.detail > 1 && event.target.closest?.(".stop-reply")) {
+    if (event.detail <= 1) {
+      began = event.target;
+    } else if (began?.closest?.(".send-reply") || event.target.closest?.(".stop-reply")) {
       event.stopImmediatePropagation();
       event.preventDefault();
     }
@@ -77,6 +84,12 @@ class StopSignal:
 
     def renew(self) -> None:
         self.event = threading.Event()
+
+
+def send_button(label: str, elem_id: str, **layout: Any) -> gr.Button:
+    """A view's button that starts a turn, and turns into its Stop while the turn runs
+    (``SendStopSwap``); ``layout``: Gradio's ``scale`` and ``min_width``."""
+    return gr.Button(label, variant="primary", elem_id=elem_id, elem_classes=["send-reply"], **layout)
 
 
 def stop_button(prefix: str) -> gr.Button:

@@ -12,7 +12,7 @@ from h2o_chat.inputs import InputLimits
 from h2o_chat.runtime import LoadedModel, ModelProvider
 from h2o_chat.sessions import StorySession
 
-from .controls import SendStopSwap, stop_button
+from .controls import SendStopSwap, send_button, stop_button
 from .files_panel import StoryFiles
 from .gauges import GAUGE_CSS, empty_gauge
 from .map_panel import MapPanel, gauge_and_map
@@ -89,7 +89,7 @@ class StoryTab:
                 self.tokens = TypedSlider(1, 1024, value=64, step=1, label="tokens per continue",
                                           elem_id="story-tokens", info=f"type up to {MAX_NEW_TOKENS}")
                 with gr.Row(elem_id="story-continue-row"):
-                    self.go = gr.Button("Continue", variant="primary", elem_id="story-continue")
+                    self.go = send_button("Continue", "story-continue")
                     self.stop = stop_button("story")
                     self.new = gr.Button("New story", elem_id="story-new")
                 self.ran_with = ran_with_line("story")
