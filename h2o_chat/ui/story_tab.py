@@ -83,7 +83,7 @@ class StoryTab:
                     placeholder="e.g. Mira: a lighthouse keeper on a northern island. "
                                 "Tomas: her younger brother, a fisherman.")
                 self.story = gr.Textbox(
-                    lines=10, max_lines=30, elem_id="story-text",
+                    lines=8, max_lines=30, elem_id="story-text",
                     label="Story so far: edit it freely, then continue",
                     placeholder="Write a beginning, e.g. 'The storm reached the island at dusk.'")
                 self.tokens = TypedSlider(1, 1024, value=64, step=1, label="tokens per continue",
