@@ -315,8 +315,7 @@ class Budget:
         """``cache.budget_bytes``: a whole number of bytes within ``cache.budget_mb``'s range
         (a bool, a float, a string or a number too long for JSON's integers is refused)."""
         if type(value) is not int or not 1 <= value <= MAX_BUDGET_BYTES:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
-            raise ConfigError(f"cache.budget_bytes = {shown}: must be an integer number of bytes from 1 "
+            raise ConfigError(f"cache.budget_bytes = {quoted(value, 40)}: must be an integer number of bytes from 1 "
                               f"to {MAX_BUDGET_BYTES:,} ({MAX_BUDGET_MB:,} MB), or null",
                               field="cache.budget_bytes")
         return cls(value, "cache.budget_bytes", value)
@@ -373,14 +372,21 @@ _SHOWN = _Quoting()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 80, 80
 
 
-def quoted(value: Any) -> str:
+def quoted(value: Any, limit: int | None = None) -> str:
     """``value``, from outside, as a message quotes it, cut short before it is written out:
     a config's value may be a YAML alias bomb (a 447-byte file whose list repr runs to
     billions of items), a file's a megabyte-long object (echoed whole, it took a page
-    half a minute to show) or a huge number."""
+    half a minute to show) or a huge number. ``limit``: at most that many characters."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"<a {len(str(value)) if value.bit_length() < 10_000 else 'many'}-digit number>"
-    return _SHOWN.repr(value)
+        text = f"<a {len(str(value)) if value.bit_length() < 10_000 else 'many'}-digit number>"
+    else:
+        text = _SHOWN.repr(value)
+    return text if limit is None else shorten(text, limit)
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters for a message, the cut marked."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import request_response
 from starlette.types import Receive, Scope, Send
 
-from h2o_chat.config import AppConfig, api_keys
+from h2o_chat.config import AppConfig, api_keys, quoted
 from h2o_chat.inputs import InputError, InputLimits, read_json
 from h2o_chat.scheduler import scheduler_for
 
@@ -30,7 +30,7 @@ from .body_reads import BodyBudget, BodyMemory
 from .origins import OriginGuard, allowed_origins
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import DONE, Reply, event
-from .schema import ChatRequest, parse_chat_request, short
+from .schema import ChatRequest, parse_chat_request
 
 if TYPE_CHECKING:
     from h2o_chat.runtime import ModelProvider
@@ -111,7 +111,7 @@ def create_api(provider: ModelProvider, name: str, config: AppConfig,
     async def model(request: Request, wanted: str) -> Response:
         authorize(request)
         if wanted != name:
-            raise APIError(404, f"the model {short(wanted)} does not exist; this server has {name!r}",
+            raise APIError(404, f"the model {quoted(wanted, 40)} does not exist; this server has {name!r}",
                            param="model", code="model_not_found")
         return answered(request, JSONResponse(model_card()))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from h2o_chat.config import ConfigError, GenerationConfig, check_field, quoted
 from h2o_chat.inputs import InputError, InputLimits, check_system_prompt, check_text, is_blank
-from h2o_chat.inputs.text import check_chars, check_count, check_unicode, shorten
+from h2o_chat.inputs.text import check_chars, check_count, check_unicode
 
 from .errors import invalid
 
@@ -121,7 +121,7 @@ def _penalty(name: str, value: Any) -> None:
     if value is None or (type(value) in (int, float) and value == 0):
         return
     if type(value) not in (int, float) or not -2 <= value <= 2:
-        raise invalid(name, f"{name} = {short(value)}: must be a number from -2 to 2")
+        raise invalid(name, f"{name} = {quoted(value, 40)}: must be a number from -2 to 2")
     raise invalid(name, f"{name} = {quoted(value)}: only 0 is supported by this server (no penalties)")
 
 
@@ -178,7 +178,7 @@ def _stops(value: Any) -> tuple[str, ...]:
         raise invalid("stop", f"stop must be a string or an array of at most {MAX_STOPS} strings")
     for index, stop in enumerate(stops):
         if not (isinstance(stop, str) and 1 <= len(stop) <= MAX_STOP_CHARS):
-            raise invalid("stop", f"stop[{index}] = {short(stop)}: must be a string of 1 to "
+            raise invalid("stop", f"stop[{index}] = {quoted(stop, 40)}: must be a string of 1 to "
                                   f"{MAX_STOP_CHARS} characters")
         try:  # matched against the reply's text, which is valid Unicode
             check_unicode(stop, f"stop[{index}]")
@@ -195,7 +195,7 @@ def _check_response_format(value: Any) -> None:
                                          f'{{"type": "text"}}, got {_json_type(value)}')
     kind = value.get("type")
     if kind != "text":
-        raise invalid("response_format", f"response_format.type = {short(kind)}: only 'text' is "
+        raise invalid("response_format", f"response_format.type = {quoted(kind, 40)}: only 'text' is "
                                          "supported")
 
 
@@ -235,7 +235,7 @@ def _message(index: int, item: Any, limits: InputLimits) -> Message:
         raise invalid(where, f"{where} must be an object with role and content, got {_json_type(item)}")
     role = item.get("role")
     if role not in ROLES:
-        raise invalid(f"{where}.role", f"{where}.role = {short(role)}: must be one of "
+        raise invalid(f"{where}.role", f"{where}.role = {quoted(role, 40)}: must be one of "
                                        + ", ".join(ROLES))
     role = "system" if role == "developer" else role
     content = _content(f"{where}.content", item.get("content"))
@@ -260,15 +260,10 @@ def _content(where: str, value: Any) -> str:
         field = f"{where}[{index}]"
         if not (isinstance(part, Mapping) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, Mapping) else part
-            raise invalid(field, f"{field}.type = {short(kind)}: only text "
+            raise invalid(field, f"{field}.type = {quoted(kind, 40)}: only text "
                                  'parts ({"type": "text", "text": ...}) are supported')
         if not isinstance(part.get("text"), str):
             raise invalid(f"{field}.text", f"{field}.text must be a string, got {_json_type(part.get('text'))}")
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-def short(value: Any, limit: int = 40) -> str:
-    """``value`` quoted for a message (``quoted``), cut to ``limit`` characters."""
-    return shorten(quoted(value), limit)
 

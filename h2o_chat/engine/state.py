@@ -68,10 +68,7 @@ def _in_full(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    if value is None:
-        return "not used"
-    text = quoted(value)
-    return text if len(text) <= 40 else text[:39] + "…"
+    return "not used" if value is None else quoted(value, 40)
 
 
 class CacheStateMixin:

@@ -10,7 +10,7 @@ outside reaches the model around them.
 from .documents import read_json, read_member, require_int
 from .limits import InputError, InputLimits, refused_as
 from .text import (check_chat_turn, check_conversation, check_message, check_story_turn,
-                   check_system_prompt, check_text, is_blank, shorten)
+                   check_system_prompt, check_text, is_blank)
 
 __all__ = [
     "InputError",
@@ -26,5 +26,4 @@ __all__ = [
     "read_member",
     "refused_as",
     "require_int",
-    "shorten",
 ]

@@ -10,11 +10,6 @@ from ..config import quoted
 from .limits import InputError, InputLimits
 
 
-def shorten(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 # A lone surrogate has no UTF-8 form: the tokenizer would fail on it mid-turn.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -110,4 +105,4 @@ def _short(value: object) -> str:
     """``value``'s repr, short enough for a message about a huge input."""
     if isinstance(value, (list, tuple, dict)) and len(value) >= 8:
         return f"<{type(value).__name__} of {len(value):,} items>"
-    return shorten(quoted(value))
+    return quoted(value, 60)

@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache_memory import CacheMemory
-from ..config import CacheConfig
+from ..config import CacheConfig, shorten
 from ..engine.build import cache_from_config, model_context
 from ..engine.cache import H2OCache
 from ..engine.stats import CacheStats
 from ..generation import FinishReason, Generation, PassObserver
 from ..sampling import Sampling
-from ..inputs import InputError, InputLimits, shorten
+from ..inputs import InputError, InputLimits
 from ..loading import eos_token_ids
 from ..scheduler import BatchScheduler, TakeTurns, scheduler_for
 from .pins import decode, find_span

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..inputs import is_blank, shorten
+from ..config import shorten
+from ..inputs import is_blank
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
