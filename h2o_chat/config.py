@@ -385,8 +385,9 @@ def quoted(value: Any, limit: int | None = None) -> str:
 
 
 def shorten(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message, the cut marked."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """``text`` cut to ``limit`` characters for a message, the cut marked (dots just
+    before the mark go: reprlib's own '...' cut in two reads as a stray '.…')."""
+    return text if len(text) <= limit else text[: limit - 1].rstrip(".") + "…"
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

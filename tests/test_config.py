@@ -18,6 +18,7 @@ from h2o_chat.config import (
     ConfigError,
     GenerationConfig,
     load_config,
+    quoted,
     validate,
 )
 
@@ -411,3 +412,15 @@ def test_a_gguf_file_without_its_source_is_refused():
     """It was ignored, and the embedded model loaded."""
     with pytest.raises(ConfigError, match="model.gguf_file is set but model.source is not"):
         load_config(None, {"model": {"gguf_file": "model.Q4_K_M.gguf"}})
+
+
+@pytest.mark.parametrize("value, limit, shown", [
+    ("x" * 100, 40, "'" + "x" * 37 + "…"),  # reprlib's '...' in the middle is not kept half
+    ("abc", 5, "'abc'"),
+    (True, 40, "true"),
+    (10 ** 400, 40, "<a 401-digit number>"),
+    (list(range(100)), 12, "[0, 1, 2, 3…"),
+    ("x" * 50, None, "'" + "x" * 50 + "'"),
+])
+def test_a_quoted_value_is_cut_to_its_limit_and_the_cut_marked(value, limit, shown):
+    assert quoted(value, limit) == shown
