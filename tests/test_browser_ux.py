@@ -205,6 +205,12 @@ def test_compare_streams_plots_after_each_turn_and_resets_without_errors(page):
     assert len(messages(page, "compare-full-chat", "bot")) == 1
     expect(page.locator("#compare-fidelity-plot")).to_be_visible()
     assert page.locator("#compare-fidelity-plot canvas, #compare-fidelity-plot svg").count() > 0
+    # A reset hides the drawn plot (it threw two page errors); the next reply draws it again.
+    start_and_wait(page, "#compare-reset")
+    page.wait_for_function("() => !document.querySelector('#compare-full-chat [data-testid=bot]')")
+    expect(page.locator("#compare-fidelity-plot")).to_be_hidden()
+    send(page, "#compare-input", "#compare-send", "Name a fruit.")
+    expect(page.locator("#compare-fidelity-plot")).to_be_visible()
     assert errors == []
     assert not toasts(page)
 

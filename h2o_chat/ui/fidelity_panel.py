@@ -128,6 +128,11 @@ def forgotten_html(point: FidelityPoint, tokens: Sequence[int],
     )
 
 
+# Hidden but kept on the page: a plot taken off it leaves the chart library's resize
+# watcher reading the gone element's width (a page error at every Reset).
+HIDDEN_PLOT = "hidden"
+
+
 class FidelityPanel:
     """Built inside the view's Blocks context. The view's state provides ``probe`` (a
     ``FidelityProbe`` or None), ``fidelity_step`` (the picked position or None) and
@@ -152,7 +157,7 @@ class FidelityPanel:
             self.plot = gr.ScatterPlot(x="token", y="KL (nats)", color="top-1", height=240,
                                        color_map={AGREE: "#2563eb", DIFFER: "#dc2626"},
                                        title="KL(full ‖ bounded) per predicted token",
-                                       visible=False, elem_id=f"{prefix}-fidelity-plot")
+                                       visible=HIDDEN_PLOT, elem_id=f"{prefix}-fidelity-plot")
             # No minimum or precision for Gradio to enforce: it refused -1 with a message
             # naming no box (and a traceback in the log) and showed 2.5 as token 2.
             self.step = gr.Number(None, visible=False,
@@ -181,14 +186,15 @@ class FidelityPanel:
         detail = self._detail(state, points, tokens, since)
         shown = bool(points)
         return {self.summary: gr.HTML(summary_html(points, since), visible=True),
-                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points), visible=shown),
+                self.plot: gr.ScatterPlot(points_frame(points), x_lim=_x_range(points),
+                                           visible=shown or HIDDEN_PLOT),
                 self.step: gr.Number(detail[self.step], visible=shown),
                 self.detail: gr.HTML(detail[self.detail], visible=shown)}
 
     def cleared(self, note: str = "") -> dict:
         """The panel of a view without the shadow: the note if any, nothing else."""
         return {self.summary: gr.HTML(note, visible=bool(note)),
-                self.plot: gr.ScatterPlot(visible=False),
+                self.plot: gr.ScatterPlot(visible=HIDDEN_PLOT),
                 self.step: gr.Number(None, visible=False),
                 self.detail: gr.HTML("", visible=False)}
 
