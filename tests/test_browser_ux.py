@@ -458,15 +458,20 @@ def _top_edge_reaches_the_conversation(page, chatbot: str):
     }""")
 
 
-def test_the_second_click_of_a_double_click_on_send_is_no_stop(page):
-    """QA: the second click of a double-click on Send landed on the Stop shown in its
-    place and stopped the turn before its reply ("Stopped before the reply began")."""
+def _send_by_mouse(page) -> None:
+    """Send a message with a real click at Send's centre, the pointer left there."""
     configure(page, max_new_tokens=64)
     show_settings(page, False)
     page.fill("#chat-input textarea", "Name three fruits.")
-    box = page.locator("#chat-send").bounding_box()
-    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    send = page.locator("#chat-send").bounding_box()
+    page.mouse.click(send["x"] + send["width"] / 2, send["y"] + send["height"] / 2)
     expect(page.locator("#chat-stop")).to_be_visible()
+
+
+def test_the_second_click_of_a_double_click_on_send_is_no_stop(page):
+    """QA: the second click of a double-click on Send landed on the Stop shown in its
+    place and stopped the turn before its reply ("Stopped before the reply began")."""
+    _send_by_mouse(page)
     page.mouse.down(click_count=2)  # the pointer is still there: one click, the browser's second
     page.mouse.up(click_count=2)
     expect(page.locator("#chat-send")).to_be_visible(timeout=DONE_TIMEOUT_MS)
@@ -479,12 +484,7 @@ def test_the_second_click_of_a_double_click_on_send_touches_nothing_beside_it(pa
     """QA: in the frame where Send is hidden and Stop not drawn yet, the control beside them
     slid under the pointer, and the second click of a fast double-click on Send ticked
     "pin this message". That click, wherever it lands, is part of the click on Send."""
-    configure(page, max_new_tokens=64)
-    show_settings(page, False)
-    page.fill("#chat-input textarea", "Name three fruits.")
-    send = page.locator("#chat-send").bounding_box()
-    page.mouse.click(send["x"] + send["width"] / 2, send["y"] + send["height"] / 2)
-    expect(page.locator("#chat-stop")).to_be_visible()
+    _send_by_mouse(page)
     pin = page.locator("#chat-pin-message input")
     # The turn's first update unticks the box, so a tick is caught as it happens.
     pin.evaluate("box => box.addEventListener('change', () => { window.pinTicked = true; })")

@@ -137,7 +137,8 @@ def test_compare_view_gauge(smollm):
     last = view.send("Shorter, please.")[-1]
     assert view.state.probe is None and view.state.sides["bounded"].observer is None
     assert "gauge off" in last[panel.summary].value
-    assert not any(last[part].visible for part in (panel.plot, panel.step, panel.detail))
+    assert not any(last[part].visible for part in (panel.step, panel.detail))
+    assert last[panel.plot].visible == "hidden"  # kept on the page: see HIDDEN_PLOT
 
 
 

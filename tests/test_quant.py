@@ -263,11 +263,13 @@ def test_a_byte_budget_of_the_whole_context_is_taken(smollm):
         assert make_cache(model, "h2o", sink=4, budget_bytes=budget, **K8V4).settings()["budget_bytes"] == budget
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), "100", 2.5e6, True, 0, -1, 10**30, [100]])
-def test_a_byte_budget_that_is_no_whole_number_of_bytes_is_refused_naming_it(tiny_model, value):
+@pytest.mark.parametrize("value, shown", [
+    (float("nan"), "nan"), (float("inf"), "inf"), ("100", "'100'"), (2.5e6, "2500000.0"), (True, "true"),
+    (0, "0"), (-1, "-1"), (10**30, "1000000000000000000000000000000"), ([100], "[100]")])
+def test_a_byte_budget_that_is_no_whole_number_of_bytes_is_refused_naming_it(tiny_model, value, shown):
     with pytest.raises(ConfigError) as refused:
         make_cache(tiny_model, "h2o", sink=4, budget_bytes=value)
-    assert str(refused.value) == (f"cache.budget_bytes = {value!r}: must be an integer number of bytes from 1 to "
+    assert str(refused.value) == (f"cache.budget_bytes = {shown}: must be an integer number of bytes from 1 to "
                                   "1,000,000,000,000 (1,000,000 MB), or null")
     assert refused.value.field == "cache.budget_bytes"
 
