@@ -379,15 +379,17 @@ def quoted(value: Any, limit: int | None = None) -> str:
     half a minute to show) or a huge number. ``limit``: at most that many characters."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         text = f"<a {len(str(value)) if value.bit_length() < 10_000 else 'many'}-digit number>"
+    elif isinstance(value, str) and limit is not None:
+        # Its head only: reprlib's '...' in the middle, cut here again, read as '.…'.
+        text = _SHOWN.repr(value[:limit])
     else:
         text = _SHOWN.repr(value)
     return text if limit is None else shorten(text, limit)
 
 
 def shorten(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message, the cut marked (dots just
-    before the mark go: reprlib's own '...' cut in two reads as a stray '.…')."""
-    return text if len(text) <= limit else text[: limit - 1].rstrip(".") + "…"
+    """``text`` cut to ``limit`` characters for a message, the cut marked."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

@@ -415,7 +415,8 @@ def test_a_gguf_file_without_its_source_is_refused():
 
 
 @pytest.mark.parametrize("value, limit, shown", [
-    ("x" * 100, 40, "'" + "x" * 37 + "…"),  # reprlib's '...' in the middle is not kept half
+    ("x" * 100, 40, "'" + "x" * 38 + "…"),  # reprlib's '...' in the middle is not kept half
+    ("image" + "." * 200, 12, "'image.....…"),  # a value's own dots are kept
     ("abc", 5, "'abc'"),
     (True, 40, "true"),
     (10 ** 400, 40, "<a 401-digit number>"),
