@@ -4,10 +4,13 @@ phone (``chat-400.png``): ``make screenshots`` or ``python -m tools.screenshots`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from playwright.sync_api import Page, sync_playwright
 
 from tests.browser_support import (
-    ROOT, chromium, configure, open_app, open_tab, running_app, send, set_number, show_settings, start_and_wait,
+    ROOT, after_next_frame, chromium, configure, open_app, open_tab, running_app, send, set_number, show_settings,
+    start_and_wait,
 )
 
 ASSETS = ROOT / "assets"
@@ -52,6 +55,16 @@ def compare(page: Page) -> None:
 LOOKS = {"": (1366, 900, "light"), "-dark": (1366, 900, "dark"), "-400": (400, 860, "light")}
 
 
+def capture(page: Page, path: Path) -> None:
+    """The whole page, its send rows in their places: on a phone they stick to the window's
+    bottom, and a full-page capture drew them there, over the text, with their own place
+    left blank."""
+    page.add_style_tag(content="#chat-send-row, #story-continue-row, #compare-send-row "
+                               "{ position: static !important; }")
+    after_next_frame(page)
+    page.screenshot(path=path, full_page=True)
+
+
 def main() -> None:
     ASSETS.mkdir(exist_ok=True)
     with running_app() as url, sync_playwright() as playwright, chromium(playwright) as browser:
@@ -60,7 +73,7 @@ def main() -> None:
                 page = open_app(browser, url, width=width, height=height, color_scheme=scheme)
                 take(page)
                 path = ASSETS / f"{name}{suffix}.png"
-                page.screenshot(path=path, full_page=True)
+                capture(page, path)
                 page.context.close()
                 print(f"wrote {path}")
 
