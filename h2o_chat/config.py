@@ -237,7 +237,7 @@ _RULES: dict[str, _Rule] = {
         lambda v: 0.0 <= v <= MAX_TEMPERATURE, f"must be a number from 0 to {MAX_TEMPERATURE:g} (0 = greedy decoding)"
     ),
     "generation.top_p": _Rule(lambda v: 0.0 < v <= 1.0, "must be a number > 0 and <= 1"),
-    "generation.seed": _int_between(0, 2**63 - 1),  # torch's generators take no larger seed
+    "generation.seed": _int_between(0, 2**63 - 1),  # OpenAI's int64
     "server.port": _int_between(1, 65535),
     "server.host": _Rule(lambda v: re.fullmatch(r"[A-Za-z0-9.\-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*", v) is not None,
                          "must be a host name or IP address such as 127.0.0.1, 0.0.0.0 or ::1"),

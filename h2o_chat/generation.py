@@ -65,9 +65,6 @@ class Generation:
         self.on_end: Callable[[], None] | None = None
         self._cancelled = False  # its stream was closed: end, without touching ``stop``
         self._out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._generator = None
-        if sampling is not None and sampling.seed is not None:
-            self._generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
         self._end_tensor = torch.tensor(sorted(end_ids), dtype=torch.long)
 
     # ---- for the runner ---------------------------------------------------------------------
@@ -106,7 +103,7 @@ class Generation:
         if self.sampling is None or self.generated == self.sampling.max_new_tokens:
             self.end("length")
             return None
-        return Draw(self.sampling, self._generator, self._banned())
+        return Draw(self.sampling, self.generated, self._banned())
 
     def take(self, token: int) -> None:
         """The token the runner drew for the draw ``fed_to`` asked for."""

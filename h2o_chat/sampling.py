@@ -2,19 +2,21 @@
 
 What a row's draw needs from the device is small: its most likely token, or the few
 hundred most likely tokens with their probabilities, among which a nucleus nearly always
-lies. So the device ranks every row at once; unseeded rows draw there too, every row at
-once, and the host reads their tokens with the ranking of the seeded rows in one
-transfer; each seeded row then draws with its own generator on the host, so a seeded
-row's tokens do not depend on the rows beside it. The rows whose nucleus reaches past
-those candidates (a very flat distribution, or ``top_p`` 1) read their whole
-distributions in a second transfer, all at once: two reads a step at most.
+lies. So the device ranks every row at once and draws there, every row at once, seeded
+or not: a row's noise is a hash of its key and each token's id, so a seeded row draws
+the same token beside any others or alone, and no row loops on the host. The host reads
+every row's token in one transfer. The rows whose nucleus reaches past those candidates
+(a very flat distribution, or ``top_p`` 1) draw again from their whole distributions,
+on the device too, all at once: two reads a step at most.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .config import ConfigError, GenerationConfig, check_field
@@ -22,6 +24,8 @@ from .inputs import InputError
 
 # The most likely tokens looked at first for a nucleus.
 NUCLEUS_CANDIDATES = 256
+# A row's settings as the device takes them: one float64 row each, uploaded at once.
+_TEMPERATURE, _LIMIT, _KEY = 0, 1, slice(2, 4)
 
 
 @dataclass
@@ -49,11 +53,12 @@ class Sampling:
 
 @dataclass
 class Draw:
-    """One row's next token to draw: per ``sampling``, with ``generator`` where seeded,
-    never one of ``banned`` (token ids; None: any)."""
+    """One row's next token to draw: per ``sampling``, the ``index``-th of its reply
+    (where seeded, the seed and the index fix the noise it draws with), never one of
+    ``banned`` (token ids; None: any)."""
 
     sampling: Sampling
-    generator: torch.Generator | None = None
+    index: int = 0
     banned: torch.Tensor | None = None
 
 
@@ -63,85 +68,96 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     _ban(logits, rows, draws)
     greedy = [i for i, draw in enumerate(draws) if draw.sampling.temperature == 0]
     sampled = [i for i, draw in enumerate(draws) if draw.sampling.temperature > 0]
-    # Of the sampled rows (as indices into ``sampled``): drawn on the device, every row at
-    # once, or on the host with the row's own generator.
-    unseeded = [j for j, i in enumerate(sampled) if draws[i].generator is None]
-    seeded = [j for j, i in enumerate(sampled) if draws[i].generator is not None]
-    parts, probs = [], None
+    parts = []
     if greedy:
         parts.append(logits[_index([rows[i] for i in greedy], logits)].argmax(dim=-1).to(torch.float64))
     if sampled:
-        # A tiny temperature (5e-324 is a valid one) would overflow the logits over it to
-        # infinity and the softmax to NaN: the logits are taken below their maximum first,
-        # and the temperature is kept from underflowing float32 to 0, so it tends to the
-        # greedy token, as it should.
-        tiny = torch.finfo(torch.float32).tiny
-        temperatures = torch.tensor([[max(draws[i].sampling.temperature, tiny)] for i in sampled], device=logits.device)
+        settings = _settings([draws[i] for i in sampled]).to(logits.device)
         scaled = logits[_index([rows[i] for i in sampled], logits)].float()
+        temperatures = settings[:, _TEMPERATURE, None].float()
         probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperatures, dim=-1)
-        top, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
-        if unseeded:
-            parts += _draw_unseeded(_some(top, unseeded), _some(ids, unseeded),
-                                    [draws[sampled[j]].sampling.top_p for j in unseeded], probs.shape[-1])
-        if seeded:
-            parts += [_some(top, seeded).flatten().to(torch.float64), _some(ids, seeded).flatten().to(torch.float64)]
+        vocab = probs.shape[-1]
+        top, ids = probs.topk(min(NUCLEUS_CANDIDATES, vocab))
+        limits, keys = settings[:, _LIMIT, None].float(), settings[:, _KEY].long()
+        before = top.cumsum(-1) - top  # the mass of the more likely candidates
+        # Where the candidates' last is outside the nucleus, the nucleus lies among them.
+        within = (before[:, -1] >= limits[:, 0]) | (top.shape[-1] == vocab)
+        parts += [_race(top, ids, before, limits, keys).to(torch.float64), within.to(torch.float64)]
     # One read of the device for every row (float64 holds token ids exactly).
-    host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
     tokens = [0] * len(draws)
     for i, token in zip(greedy, host[: len(greedy)].long().tolist()):
         tokens[i] = token
     if not sampled:
         return tokens
-    vocab = probs.shape[-1]
-    beyond = []  # indices into ``sampled`` of rows whose nucleus reaches past the candidates
-    if unseeded:
-        chosen, within = host[len(greedy) : len(greedy) + 2 * len(unseeded)].view(2, -1).long().tolist()
-        for j, token, inside in zip(unseeded, chosen, within):
-            if inside:
-                tokens[sampled[j]] = token
-            else:
-                beyond.append(j)
-    if seeded:
-        top, ids = host[len(greedy) + 2 * len(unseeded) :].view(2, len(seeded), -1)
-        top = top.float()
-        # The mass of the more likely candidates, every row at once (as ``nucleus`` sums it).
-        before = (top.cumsum(-1) - top).numpy()
-        top, ids = top.numpy(), ids.long().numpy()
-        for k, j in enumerate(seeded):
-            draw = draws[sampled[j]]
-            if _within(before[k], draw.sampling.top_p, vocab):
-                tokens[sampled[j]] = _draw(top[k], ids[k], before[k], draw.sampling.top_p, vocab, draw.generator)
-            else:
-                beyond.append(j)
+    chosen, inside = host[len(greedy) :].view(2, -1).long().tolist()
+    beyond = [j for j, within_row in enumerate(inside) if not within_row]  # indices into ``sampled``
+    for j, token in enumerate(chosen):
+        tokens[sampled[j]] = token
     if beyond:  # a second read, of every such row at once
-        whole = probs[torch.tensor(beyond, device=probs.device)].cpu()
-        for row, j in zip(whole, beyond):
-            tokens[sampled[j]] = _draw_from(row, draws[sampled[j]])
+        for j, token in zip(beyond, _draw_beyond(probs, limits, keys, beyond, [draws[sampled[j]] for j in beyond])):
+            tokens[sampled[j]] = token
     return tokens
 
 
-def _some(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``rows`` of ``t``, without a copy where they are all of them."""
-    return t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
+def _settings(draws: list[Draw]) -> torch.Tensor:
+    """Sampled rows' temperature, nucleus limit and noise key, ``(rows, 4)`` float64 on the
+    host. A tiny temperature (5e-324 is a valid one) would overflow the logits over it to
+    infinity and the softmax to NaN: it is kept from underflowing float32 to 0 (the logits
+    are taken below their maximum first), so it tends to the greedy token, as it should.
+    ``top_p`` 1 keeps every token: no limit, whatever the float sums come to."""
+    tiny = torch.finfo(torch.float32).tiny
+    unseeded = sum(draw.sampling.seed is None for draw in draws)
+    fresh = iter(torch.randint(0, 2**32, (unseeded, 2)).tolist() if unseeded else [])
+    return torch.tensor([
+        [max(draw.sampling.temperature, tiny), draw.sampling.top_p if draw.sampling.top_p < 1 else math.inf,
+         *(next(fresh) if draw.sampling.seed is None else _seeded_key(draw.sampling.seed, draw.index))]
+        for draw in draws], dtype=torch.float64)
 
 
-def _draw_unseeded(top: torch.Tensor, ids: torch.Tensor, top_p: list[float], vocab: int) -> list[torch.Tensor]:
-    """Unseeded rows' tokens drawn where their most likely tokens ``top``/``ids`` lie, every
-    row at once: the token of the nucleus maximising probability / Exp(1) noise (noise for
-    the nucleus alone: the same distribution as for the whole vocabulary). With each
-    row's token, whether its nucleus lies among the candidates (else it is drawn again
-    from the whole distribution). As float64, for the step's one read."""
-    before = top.cumsum(-1) - top  # the mass of the more likely candidates
-    limit = torch.tensor(top_p, device=top.device)[:, None]
-    within = (limit[:, 0] < 1) & ((before[:, -1] >= limit[:, 0]) | (top.shape[-1] == vocab))
-    race = torch.where(before < limit, top / torch.empty_like(top).exponential_(1), -1.0)
-    chosen = ids.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
-    return [chosen.to(torch.float64), within.to(torch.float64)]
+def _seeded_key(seed: int, index: int) -> tuple[int, int]:
+    """A seeded row's noise key for the ``index``-th token of its reply: two 32-bit words."""
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8, person=b"h2o-chat-draw").digest()
+    return struct.unpack("<II", digest)
 
 
-def _within(before: np.ndarray, top_p: float, vocab: int) -> bool:
-    """Whether a row's nucleus lies among its candidates (their preceding masses ``before``)."""
-    return top_p < 1 and (before[-1] >= top_p or len(before) == vocab)
+def _race(top: torch.Tensor, ids: torch.Tensor, before: torch.Tensor, limits: torch.Tensor,
+          keys: torch.Tensor) -> torch.Tensor:
+    """Each row's token among tokens ``ids`` of probabilities ``top`` (descending where a
+    row's ``limits`` is finite; ``before``: the mass of the more likely ones): of the
+    nucleus, the one maximising probability / Exp(1) noise, which draws each in
+    proportion to its probability, whichever tokens of the vocabulary are looked at."""
+    race = torch.where(before < limits, top.double() / _exponential(ids, keys), -1.0)
+    return ids.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
+
+
+def _exponential(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise for token ids ``ids`` ``(rows, n)`` from each row's key ``(rows, 2)``:
+    a function of the key and the id alone (a 32-bit integer hash, twice)."""
+    bits = _mix(_mix(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    return -torch.log(((bits >> 8).double() + 0.5) * 2.0**-24)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash, in int64 (its multipliers are under 2**31, so no product overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def _draw_beyond(probs: torch.Tensor, limits: torch.Tensor, keys: torch.Tensor, beyond: list[int],
+                 draws: list[Draw]) -> list[int]:
+    """The tokens of rows ``beyond`` of ``probs``, whose nucleus reaches past the candidates,
+    drawn from their whole distributions with the same noise."""
+    which = torch.tensor(beyond, device=probs.device)
+    probs, limits, keys = probs[which], limits[which], keys[which]
+    if all(draw.sampling.top_p >= 1 for draw in draws):  # no nucleus to find: no sort
+        ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        return _race(probs, ids, torch.zeros_like(probs), limits, keys).tolist()
+    ranked, ids = probs.sort(dim=-1, descending=True)
+    return _race(ranked, ids, ranked.cumsum(-1) - ranked, limits, keys).tolist()
 
 
 def _index(rows: list[int], logits: torch.Tensor) -> slice | torch.Tensor:
@@ -157,41 +173,3 @@ def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
         which = torch.cat([torch.full_like(banned, row) for row, banned in bans]).to(logits.device)
         tokens = torch.cat([banned for _, banned in bans]).to(logits.device)
         logits.index_put_((which, tokens), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
-
-
-def _draw(top: np.ndarray, ids: np.ndarray, before: np.ndarray, top_p: float, vocab: int,
-          generator: torch.Generator) -> int:
-    """A seeded row's token from its nucleus among its most likely tokens ``top``/``ids``
-    (descending; ``before``: the mass of the more likely ones). Drawn as
-    ``torch.multinomial`` draws from the whole distribution with the nucleus kept (the
-    token maximising probability / Exp(1) noise, one noise value per token of the
-    vocabulary), so a seed gives the tokens ``_draw_from`` would."""
-    kept = before < top_p
-    noise = torch.empty(vocab).exponential_(1, generator=generator).numpy()
-    candidates = ids[kept]
-    return int(candidates[np.argmax(top[kept] / noise[candidates])])
-
-
-def _draw_from(probs: torch.Tensor, draw: Draw) -> int:
-    """A sampled row's token from its whole distribution ``probs`` (host memory)."""
-    if draw.sampling.top_p < 1:
-        probs = nucleus(probs, draw.sampling.top_p)
-    return torch.multinomial(probs, 1, generator=draw.generator).tolist()[0]
-
-
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` ``(vocab,)`` with every token zeroed but the smallest set of the most likely
-    whose mass reaches ``top_p`` (always at least one). Sorting the whole vocabulary took
-    3.5 ms a sampled token on the development machine: at 32 rows, over half as long as
-    the decode step's model pass (6 ms a row); the nucleus nearly always lies among the
-    few hundred most likely tokens, so those are ranked first (0.2 ms) and the whole
-    vocabulary only where they do not reach ``top_p``."""
-    ranked, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]))
-    before = ranked.cumsum(-1) - ranked  # the mass of the more likely tokens
-    if before[-1].tolist() < top_p and len(ranked) < probs.shape[-1]:  # the nucleus may go on past them
-        ranked, order = probs.sort(descending=True)
-        before = ranked.cumsum(-1) - ranked
-    kept = order[before < top_p]
-    chosen = torch.zeros_like(probs)
-    chosen[kept] = probs[kept]
-    return chosen

@@ -26,9 +26,10 @@ DONE_TIMEOUT_MS = 120_000
 # longer than Playwright's default 5 s for each expect().
 expect.set_options(timeout=30_000)
 # Settings under which the reply to "Count from one to two hundred in words." streams for
-# 286 tokens (top-p 0.9, the config's), long enough to stop it or press Enter again while it
-# streams on a busy machine. Greedy, the reply is 25 tokens long and often over first.
-LONG_COUNTING_REPLY = {"temperature": 1, "seed": 2}
+# 236 tokens (top-p 0.9, the config's; "two" in its first line), long enough to stop it or
+# press Enter again while it streams on a busy machine. Greedy, the reply is 25 tokens
+# long and often over first.
+LONG_COUNTING_REPLY = {"temperature": 1, "seed": 3}
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",

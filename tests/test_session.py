@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.attention import ATTENTION_NAME
 from h2o_chat.inputs import InputError, InputLimits
-from h2o_chat.sampling import Draw, Sampling, draw_tokens, nucleus
+from h2o_chat.sampling import Draw, Sampling, draw_tokens
 from h2o_chat.ui.story_tab import bible_prefix
 
 from .helpers import (BOOK_EXCERPT, GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward,
@@ -130,30 +130,41 @@ def test_seeded_sampling_is_reproducible(smollm):
     assert replies[0] == replies[1] and replies[0].strip()
 
 
-def test_nucleus_equals_sorting_the_whole_vocabulary(smollm):
-    """The nucleus from the most likely tokens first is the one a full sort gives, for the
-    model's own next-token distributions and for flat ones whose nucleus goes past them."""
+def test_the_candidates_draw_what_the_whole_sorted_vocabulary_draws(smollm, monkeypatch):
+    """Seeded, a row draws the same token from its most likely tokens first as from its
+    whole vocabulary sorted, for the model's own next-token distributions and for flat
+    ones whose nucleus goes past the candidates; the token lies in its nucleus."""
     model, tokenizer = smollm
     ids = tokenizer("The capital of France is Paris. The largest planet", return_tensors="pt").input_ids
     with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0]
+        logits = model(input_ids=ids).logits[0].float()
     generator = torch.Generator().manual_seed(0)
-    flat = [torch.randn(logits.shape[-1], generator=generator) * scale for scale in (0.01, 0.5)]
-    for row in [*logits, *flat]:
-        for temperature in (0.7, 1.0, 1.5):
-            probs = torch.softmax(row.float() / temperature, dim=-1)
-            for top_p in (0.5, 0.9, 0.99):
-                assert torch.equal(nucleus(probs, top_p), nucleus_by_sorting(probs.clone(), top_p))
+    logits = torch.cat([logits, torch.randn(2, logits.shape[-1], generator=generator) * torch.tensor([[0.01], [0.5]])])
+    for temperature in (0.7, 1.0, 1.5):
+        for top_p in (0.5, 0.9, 0.99, 1.0):
+            draws = [Draw(Sampling(temperature=temperature, top_p=top_p, seed=row), index=3) for row in range(len(logits))]
+            rows = list(range(len(logits)))
+            first = draw_tokens(logits.clone(), rows, draws)
+            with monkeypatch.context() as patch:
+                patch.setattr("h2o_chat.sampling.NUCLEUS_CANDIDATES", logits.shape[-1])
+                assert draw_tokens(logits.clone(), rows, draws) == first, (temperature, top_p)
+            for row, token in zip(logits, first):
+                assert nucleus_by_sorting(torch.softmax(row / temperature, dim=-1), top_p)[token] > 0
 
 
-def test_unseeded_rows_draw_from_their_nucleus_in_proportion():
-    """An unseeded row draws among its nucleus alone, each token as often as its share
-    of the nucleus's mass (noise is drawn for the nucleus only, not the vocabulary)."""
+@pytest.mark.parametrize("seeded", [False, True])
+def test_rows_draw_from_their_nucleus_in_proportion(seeded):
+    """A row draws among its nucleus alone, each token as often as its share of the
+    nucleus's mass: unseeded, and seeded over the tokens of a reply (the noise of a seed
+    and an index is as good as fresh noise)."""
     probs = torch.tensor([0.5, 0.25, 0.1, 0.08, 0.07] + [0.0] * 300)  # more tokens than the candidates
     logits = probs.clamp(min=1e-30).log().expand(8, -1)
-    draws = [Draw(Sampling(temperature=1.0, top_p=0.9))] * 8
     torch.manual_seed(0)
-    drawn = torch.tensor([token for _ in range(500) for token in draw_tokens(logits.clone(), list(range(8)), draws)])
+    drawn = []
+    for index in range(500):
+        draws = [Draw(Sampling(temperature=1.0, top_p=0.9, seed=row if seeded else None), index=index) for row in range(8)]
+        drawn += draw_tokens(logits.clone(), list(range(8)), draws)
+    drawn = torch.tensor(drawn)
     nucleus_mass = 0.93  # the first four: 0.85 of mass before the fourth is under 0.9
     shares = torch.bincount(drawn, minlength=5)[:5] / len(drawn)
     assert shares[4] == 0 and drawn.max() < 4
@@ -161,26 +172,36 @@ def test_unseeded_rows_draw_from_their_nucleus_in_proportion():
 
 
 def test_seeded_rows_draw_the_same_beside_unseeded_and_flat_ones():
-    """Rows of every kind in one draw: a seeded row draws what it draws alone; an
-    unseeded flat row (its nucleus past the candidates) draws within its nucleus."""
+    """Rows of every kind in one draw: a seeded row draws what it draws alone, peaked or
+    flat; an unseeded flat row (its nucleus past the candidates) draws within its nucleus."""
     generator = torch.Generator().manual_seed(1)
     peaked, flat = torch.randn(2, 2000, generator=generator) * torch.tensor([[6.0], [0.01]])
     sampling = Sampling(temperature=1.0, top_p=0.9)
-    logits = torch.stack([peaked, flat, peaked, flat])
+    logits = torch.stack([peaked, flat, peaked, flat, peaked])
     flat_tokens = set()
-    for _ in range(20):
-        seed = int(torch.randint(0, 2**31, (1,)))
-        together = draw_tokens(logits.clone(), [0, 1, 2, 3], [
-            Draw(sampling), Draw(sampling), Draw(sampling, torch.Generator().manual_seed(seed)),
-            Draw(sampling, torch.Generator().manual_seed(seed + 1))])
-        alone = [draw_tokens(logits[row : row + 1].clone(), [0], [Draw(sampling, torch.Generator().manual_seed(s))])[0]
-                 for row, s in ((2, seed), (3, seed + 1))]
+    for index in range(20):
+        seed = int(torch.randint(0, 2**63 - 1, (1,)))
+        seeded = [Draw(Sampling(temperature=1.0, top_p=top_p, seed=seed + row), index=index)
+                  for row, top_p in ((2, 0.9), (3, 0.9), (4, 1.0))]
+        together = draw_tokens(logits.clone(), [0, 1, 2, 3, 4], [Draw(sampling), Draw(sampling), *seeded])
+        alone = [draw_tokens(logits[row : row + 1].clone(), [0], [draw])[0] for row, draw in zip((2, 3, 4), seeded)]
         assert together[2:] == alone
         for row, token in zip((peaked, flat), together[:2]):
-            assert nucleus(torch.softmax(row, dim=-1), 0.9)[token] > 0
+            assert nucleus_by_sorting(torch.softmax(row, dim=-1), 0.9)[token] > 0
         flat_tokens.add(together[1])
     # Drawn from its whole nucleus (about 1,800 tokens), not only the 256 ranked first.
     assert flat_tokens - set(flat.topk(256).indices.tolist())
+
+
+def test_a_seed_draws_anew_at_each_token_of_a_reply():
+    """A seed's noise changes with the token's index in the reply, and with the seed:
+    a flat row draws many tokens over a reply's indices and over seeds."""
+    logits = torch.zeros(1, 1000)
+    sampling = Sampling(temperature=1.0, top_p=1.0, seed=5)
+    over_indices = {draw_tokens(logits.clone(), [0], [Draw(sampling, index=i)])[0] for i in range(50)}
+    over_seeds = {draw_tokens(logits.clone(), [0], [Draw(Sampling(temperature=1.0, top_p=1.0, seed=s))])[0]
+                  for s in range(50)}
+    assert len(over_indices) > 40 and len(over_seeds) > 40
 
 
 def test_the_tiniest_temperatures_draw_the_greedy_token():
@@ -193,7 +214,7 @@ def test_the_tiniest_temperatures_draw_the_greedy_token():
         for top_p in (0.9, 1.0):
             sampling = Sampling(temperature=temperature, top_p=top_p)
             drawn = draw_tokens(logits.clone(), [0, 1, 2], [
-                Draw(sampling), Draw(sampling, torch.Generator().manual_seed(3)), Draw(sampling)])
+                Draw(sampling), Draw(Sampling(temperature=temperature, top_p=top_p, seed=3)), Draw(sampling)])
             assert drawn == greedy, (temperature, top_p)
 
 

@@ -78,7 +78,7 @@ def test_an_empty_seed_box_means_a_new_seed_and_bad_values_are_refused_by_name()
     assert settings.sampling(values(settings), max_new_tokens=48.0)["max_new_tokens"] == 48
     with pytest.raises(Refusal, match=re.escape("generation.max_new_tokens = 4.5: expected int, got float")):
         settings.sampling(values(settings), max_new_tokens=4.5)
-    top = 2**63 - 1  # torch's generators take no larger seed
+    top = 2**63 - 1  # OpenAI's int64
     for changed, message in [(dict(seed="abc"), f"generation.seed = 'abc': must be an integer from 0 to {top}"),
                              (dict(seed="-1"), f"generation.seed = -1: must be an integer from 0 to {top}, "
                                               "or empty for a new seed per reply"),

@@ -23,7 +23,7 @@ from .errors import invalid
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 256
-MAX_SEED = 2**63 - 1  # OpenAI's int64; torch's generator refuses larger seeds
+MAX_SEED = 2**63 - 1  # OpenAI's int64
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 
 # Fields clients send that would change the answer's meaning if ignored: refused unless

@@ -110,15 +110,18 @@ def stepper(model, caches: list, seed: int = 0) -> Callable[[], list[int]]:
     """One scheduler step of ``caches`` per call, each row feeding the token it drew last."""
     step = DecodeStep()
     settings = GenerationConfig()
-    draws = [Draw(Sampling(temperature=settings.temperature, top_p=settings.top_p),
-                  torch.Generator().manual_seed(seed + row)) for row in range(len(caches))]
+    samplings = [Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=seed + row)
+                 for row in range(len(caches))]
     tokens = [0] * len(caches)
+    drawn = 0  # tokens each row drew before: the index of its next in its reply
 
     def run() -> list[int]:
+        nonlocal drawn
         with torch.inference_mode():
             logits = step(model, caches, tokens)
             with record_function(DRAWING):
-                tokens[:] = draw_tokens(logits, list(range(len(caches))), draws)
+                tokens[:] = draw_tokens(logits, list(range(len(caches))), [Draw(s, drawn) for s in samplings])
+        drawn += 1
         return tokens
 
     return run
@@ -172,20 +175,22 @@ def alternating(runs: dict, rounds: int, calls: int, device: torch.device) -> di
 
 
 def draw_costs(model, tokenizer, rows: list[int], rounds: int) -> list[dict]:
-    """What drawing a step's tokens costs at each row count, seeded rows (each with its
-    own generator, drawn on the host) against unseeded ones (drawn on the device at
-    once): the app's sampling from the model's own next-token distributions over the
-    book, median milliseconds over ``rounds`` that alternate them."""
+    """What drawing a step's tokens costs at each row count, seeded rows (their keys
+    hashed on the host) against unseeded ones (fresh keys): the app's sampling from the
+    model's own next-token distributions over the book, median milliseconds over
+    ``rounds`` that alternate them."""
     ids = tokenizer(data.read_text(data.BOOK), add_special_tokens=False).input_ids[: max(rows) + 1]
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, 1:].float()
     settings = GenerationConfig()
-    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p)
+    seeded_samplings = [Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=row)
+                        for row in range(max(rows))]
+    unseeded_sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p)
     runs = {}
     for count in rows:
         for seeded in (True, False):
             def run(count=count, seeded=seeded) -> None:
-                draws = [Draw(sampling, torch.Generator().manual_seed(row) if seeded else None) for row in range(count)]
+                draws = [Draw(seeded_samplings[row] if seeded else unseeded_sampling) for row in range(count)]
                 draw_tokens(logits[:count].clone(), list(range(count)), draws)
             run()
             runs[count, seeded] = run
@@ -233,8 +238,7 @@ def markdown(result: dict) -> str:
             f"{SYSTEM_TOKENS} pinned; a turns row read it as two turns), with {result['slots']} slots; the app's "
             "sampling.")
     draws = md_table(["rows", "draw", "ms a step", "ms a row"],
-                     [[r["rows"], "seeded (each on the host, its own generator)" if r["seeded"]
-                       else "unseeded (on the device, every row at once)", f"{r['draw_ms']:.2f}",
+                     [[r["rows"], "seeded" if r["seeded"] else "unseeded", f"{r['draw_ms']:.2f}",
                        f"{r['draw_ms'] / r['rows']:.3f}"] for r in result["draws"]])
     return "\n\n".join([head, table, "\n".join(f"- {line}" for line in result["targets"]),
                          "Drawing a step's tokens alone (the step times above include the seeded rows' draws):",
