@@ -144,6 +144,30 @@ def test_the_story_box_is_read_only_while_a_continuation_streams(page):
     assert box.input_value() == story + " Then"
 
 
+def test_stop_holds_its_place_while_a_story_streams(page):
+    """The story box grew a line at a time as a continuation streamed in, moving Stop
+    below it away from the pointer (a click aimed at it landed on the slider above):
+    the box holds its height while Stop shows, the text scrolling in it, and grows to fit
+    once the continuation ends."""
+    open_tab(page, "Story")
+    configure(page)  # greedy: the story runs to the slider's longest
+    set_number(page, "story-tokens", 1024)
+    box = page.locator("#story-text textarea")
+    box.fill("The storm reached the island at dusk.")
+    page.click("#story-continue")
+    stop = page.locator("#story-stop")
+    expect(stop).to_be_visible()
+    placed, opened = stop.bounding_box(), box.bounding_box()
+    # Half as much story again as the box shows.
+    page.wait_for_function("() => { const box = document.querySelector('#story-text textarea');"
+                           " return box.scrollHeight > 1.5 * box.clientHeight; }", timeout=DONE_TIMEOUT_MS)
+    assert (stop.bounding_box()["y"], box.bounding_box()["height"]) == (placed["y"], opened["height"])
+    stop.click()
+    expect(page.locator("#story-continue")).to_be_visible(timeout=DONE_TIMEOUT_MS)
+    expect(box).to_have_js_property("readOnly", False)
+    page.wait_for_function(f"() => document.querySelector('#story-text textarea').offsetHeight > {opened['height']}")
+
+
 # About 3,300 tokens: read on both sides, seconds of prefill on a small CPU, so the Stop
 # that follows the click lands before either side's first token.
 PASTE = " ".join(f"Line {i}: the keeper of the lighthouse counted {i * 7} ships tonight." for i in range(300))

@@ -19,7 +19,7 @@ from .files_panel import FILES_KEPT_S
 from .reload_notice import say_when_reloaded
 from .settings import Settings
 from .small_screens import REVEAL_ABOVE_ROW, TAP_SHOWS_TITLE, fit_screen_width
-from .story_tab import STORY_READ_ONLY_WHILE_STREAMING, StoryTab
+from .story_tab import STORY_BOX_WHILE_STREAMING, StoryTab
 from .view_state import ViewState, server_load
 
 # System fonts: the default theme fetches Google Fonts, which an offline machine waits for.
@@ -84,7 +84,7 @@ def build_app(provider: ModelProvider, config: AppConfig) -> gr.Blocks:
         settings.load_in_page(demo)
         fit_screen_width(demo)
         for script in (ESC_STOPS, ONE_CLICK_SENDS_OR_STOPS, TAP_SHOWS_TITLE, REVEAL_ABOVE_ROW,
-                       STORY_READ_ONLY_WHILE_STREAMING, COPY_AS_TYPED):
+                       STORY_BOX_WHILE_STREAMING, COPY_AS_TYPED):
             demo.load(None, js=script)
     return demo
 

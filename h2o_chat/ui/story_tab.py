@@ -28,13 +28,19 @@ from .view_state import (
 GAUGE_LABEL = "Story cache"
 
 # Runs once in the page: while a continuation streams into the story box (its Stop
-# shown), the box is read-only. Each streamed update rewrites the box from the text the
-# turn began with, so what the user typed there meanwhile was lost without a word.
-STORY_READ_ONLY_WHILE_STREAMING = """() => {
+# shown), the box is read-only, and holds the height it had, its text scrolling. Each
+# streamed update rewrites the box from the text the turn began with, so what the user
+# typed there meanwhile was lost without a word; and the box grew a line at a time up to
+# its 30, moving Stop below it away from the pointer (a click aimed at it landed on the
+# slider above). Once Continue is back the box grows to fit.
+STORY_BOX_WHILE_STREAMING = """() => {
   const sync = () => {
     const box = document.querySelector("#story-text textarea");
     const streaming = document.querySelector("#story-stop")?.offsetParent != null;
-    if (box && box.readOnly !== streaming) box.readOnly = streaming;
+    if (!box || box.readOnly === streaming) return;
+    box.readOnly = streaming;
+    box.style.maxHeight = streaming ? `${box.getBoundingClientRect().height}px` : "";
+    box.style.overflowY = streaming ? "auto" : "";
   };
   new MutationObserver(sync).observe(document.body, {childList: true, subtree: true, attributes: true,
                                                      attributeFilter: ["class", "style"]});
