@@ -3,8 +3,9 @@
 What a row's draw needs from the device is small: its most likely token, or the few
 hundred most likely tokens with their probabilities, among which a nucleus nearly always
 lies. So the device ranks every row at once and draws there, every row at once, seeded
-or not: a row's noise is a hash of its key and each token's id, so a seeded row draws
-the same token beside any others or alone, and no row loops on the host. The host reads
+or not: a seeded row's noise is a hash of its key and each token's id, so it draws the
+same token beside any others or alone, and no row loops on the host; where no row is
+seeded, the noise is drawn fresh (two operations a step where the hash takes thirty). The host reads
 every row's token in one transfer. The rows whose nucleus reaches past those candidates
 (a very flat distribution, or ``top_p`` 1) draw again from their whole distributions,
 on the device too, all at once: two reads a step at most.
@@ -78,7 +79,8 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
         probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperatures, dim=-1)
         vocab = probs.shape[-1]
         top, ids = probs.topk(min(NUCLEUS_CANDIDATES, vocab))
-        limits, keys = settings[:, _LIMIT, None].float(), settings[:, _KEY].long()
+        limits = settings[:, _LIMIT, None].float()
+        keys = settings[:, _KEY].long() if any(draws[i].sampling.seed is not None for i in sampled) else None
         before = top.cumsum(-1) - top  # the mass of the more likely candidates
         # Where the candidates' last is outside the nucleus, the nucleus lies among them.
         within = (before[:, -1] >= limits[:, 0]) | (top.shape[-1] == vocab)
@@ -105,13 +107,16 @@ def _settings(draws: list[Draw]) -> torch.Tensor:
     host. A tiny temperature (5e-324 is a valid one) would overflow the logits over it to
     infinity and the softmax to NaN: it is kept from underflowing float32 to 0 (the logits
     are taken below their maximum first), so it tends to the greedy token, as it should.
-    ``top_p`` 1 keeps every token: no limit, whatever the float sums come to."""
+    ``top_p`` 1 keeps every token: no limit, whatever the float sums come to. Where some
+    row is seeded, the others' keys are drawn fresh; else no row's key is used."""
     tiny = torch.finfo(torch.float32).tiny
     unseeded = sum(draw.sampling.seed is None for draw in draws)
-    fresh = iter(torch.randint(0, 2**32, (unseeded, 2)).tolist() if unseeded else [])
+    keyed = unseeded < len(draws)
+    fresh = iter(torch.randint(0, 2**32, (unseeded, 2)).tolist() if keyed and unseeded else [])
     return torch.tensor([
         [max(draw.sampling.temperature, tiny), draw.sampling.top_p if draw.sampling.top_p < 1 else math.inf,
-         *(next(fresh) if draw.sampling.seed is None else _seeded_key(draw.sampling.seed, draw.index))]
+         *(_seeded_key(draw.sampling.seed, draw.index) if draw.sampling.seed is not None
+           else next(fresh) if keyed else (0, 0))]
         for draw in draws], dtype=torch.float64)
 
 
@@ -122,7 +127,7 @@ def _seeded_key(seed: int, index: int) -> tuple[int, int]:
 
 
 def _race(top: torch.Tensor, ids: torch.Tensor, before: torch.Tensor, limits: torch.Tensor,
-          keys: torch.Tensor) -> torch.Tensor:
+          keys: torch.Tensor | None) -> torch.Tensor:
     """Each row's token among tokens ``ids`` of probabilities ``top`` (descending where a
     row's ``limits`` is finite; ``before``: the mass of the more likely ones): of the
     nucleus, the one maximising probability / Exp(1) noise, which draws each in
@@ -131,9 +136,13 @@ def _race(top: torch.Tensor, ids: torch.Tensor, before: torch.Tensor, limits: to
     return ids.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
 
 
-def _exponential(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise for token ids ``ids`` ``(rows, n)`` from each row's key ``(rows, 2)``:
-    a function of the key and the id alone (a 32-bit integer hash, twice)."""
+def _exponential(ids: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """Exp(1) noise for token ids ``ids`` ``(rows, n)``: from each row's key ``(rows, 2)``,
+    a function of the key and the id alone (a 32-bit integer hash, twice); without keys,
+    drawn fresh. Never 0, so no probability of 0 (a banned token) races as NaN; a uniform
+    draw of 0 gives infinite noise, which no token wins with."""
+    if keys is None:
+        return torch.rand(ids.shape, dtype=torch.float64, device=ids.device).log_().neg_()
     bits = _mix(_mix(ids ^ keys[:, :1]) ^ keys[:, 1:])
     return -torch.log(((bits >> 8).double() + 0.5) * 2.0**-24)
 
@@ -147,12 +156,14 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _draw_beyond(probs: torch.Tensor, limits: torch.Tensor, keys: torch.Tensor, beyond: list[int],
+def _draw_beyond(probs: torch.Tensor, limits: torch.Tensor, keys: torch.Tensor | None, beyond: list[int],
                  draws: list[Draw]) -> list[int]:
     """The tokens of rows ``beyond`` of ``probs``, whose nucleus reaches past the candidates,
-    drawn from their whole distributions with the same noise."""
+    drawn from their whole distributions with the same noise (where keyed: whether a row
+    draws again depends on its distribution alone, so fresh noise draws as fairly)."""
     which = torch.tensor(beyond, device=probs.device)
-    probs, limits, keys = probs[which], limits[which], keys[which]
+    probs, limits = probs[which], limits[which]
+    keys = None if keys is None else keys[which]
     if all(draw.sampling.top_p >= 1 for draw in draws):  # no nucleus to find: no sort
         ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
         return _race(probs, ids, torch.zeros_like(probs), limits, keys).tolist()

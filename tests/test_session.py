@@ -153,22 +153,27 @@ def test_the_candidates_draw_what_the_whole_sorted_vocabulary_draws(smollm, monk
 
 
 @pytest.mark.parametrize("seeded", [False, True])
-def test_rows_draw_from_their_nucleus_in_proportion(seeded):
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_rows_draw_from_their_nucleus_in_proportion(seeded, top_p):
     """A row draws among its nucleus alone, each token as often as its share of the
-    nucleus's mass: unseeded, and seeded over the tokens of a reply (the noise of a seed
-    and an index is as good as fresh noise)."""
+    nucleus's mass: unseeded (fresh noise), and seeded over the tokens of a reply (the
+    noise of a seed and an index is as good as fresh noise); at top-p 1 the nucleus goes
+    past the candidates, and the tokens of probability 0 (banned ones) are never drawn."""
     probs = torch.tensor([0.5, 0.25, 0.1, 0.08, 0.07] + [0.0] * 300)  # more tokens than the candidates
-    logits = probs.clamp(min=1e-30).log().expand(8, -1)
+    logits = probs.clamp(min=1e-30).log().expand(8, -1).clone()
+    logits[:, 5:] = float("-inf")
     torch.manual_seed(0)
     drawn = []
     for index in range(500):
-        draws = [Draw(Sampling(temperature=1.0, top_p=0.9, seed=row if seeded else None), index=index) for row in range(8)]
+        draws = [Draw(Sampling(temperature=1.0, top_p=top_p, seed=row if seeded else None), index=index)
+                 for row in range(8)]
         drawn += draw_tokens(logits.clone(), list(range(8)), draws)
     drawn = torch.tensor(drawn)
-    nucleus_mass = 0.93  # the first four: 0.85 of mass before the fourth is under 0.9
+    # At 0.9, the first four: 0.85 of mass before the fourth is under 0.9.
+    kept, nucleus_mass = (4, 0.93) if top_p < 1 else (5, 1.0)
     shares = torch.bincount(drawn, minlength=5)[:5] / len(drawn)
-    assert shares[4] == 0 and drawn.max() < 4
-    torch.testing.assert_close(shares[:4], probs[:4] / nucleus_mass, atol=0.03, rtol=0)
+    assert drawn.max() < kept
+    torch.testing.assert_close(shares[:kept], probs[:kept] / nucleus_mass, atol=0.03, rtol=0)
 
 
 def test_seeded_rows_draw_the_same_beside_unseeded_and_flat_ones():

@@ -176,7 +176,7 @@ def alternating(runs: dict, rounds: int, calls: int, device: torch.device) -> di
 
 def draw_costs(model, tokenizer, rows: list[int], rounds: int) -> list[dict]:
     """What drawing a step's tokens costs at each row count, seeded rows (their keys
-    hashed on the host) against unseeded ones (fresh keys): the app's sampling from the
+    hashed on the host) against unseeded ones (fresh noise): the app's sampling from the
     model's own next-token distributions over the book, median milliseconds over
     ``rounds`` that alternate them."""
     ids = tokenizer(data.read_text(data.BOOK), add_special_tokens=False).input_ids[: max(rows) + 1]
