@@ -14,7 +14,7 @@ from h2o_chat.engine.build import make_cache
 CHECKS = ["rounding of bfloat16 measured", "h2o (budget above the context) equals sdpa",
           "batched rows equal each row alone", "a captured step equals an eager one",
           "kept positions equal the CPU rule for the same scores", "the fused decode attention equals the reference",
-          "memory freed between runs"]
+          "seeded draws on the device equal the host's", "memory freed between runs"]
 CACHES = ["full", "h2o 20%", "h2o 20% K8/V4", "h2o 20% K4/V4 +16 exact"]
 SEARCHED = CACHES[: gpu.LARGEST_SEARCHED]  # the caches whose largest batch is searched
 
@@ -30,8 +30,12 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert model["fused_attentions"] == model["fused_mlps"] == 2
     assert [c["name"] for c in model["checks"]] == CHECKS
     # The rounding is a measurement: no verdict; nor the fused kernel's, which a CPU has
-    # not (its fallback is the reference itself). Every other check passed.
-    assert [c["passed"] for c in model["checks"]] == [None] + [True] * 4 + [None, True], model["checks"]
+    # not (its fallback is the reference itself), nor the draws', whose device is the host.
+    # Every other check passed.
+    assert [c["passed"] for c in model["checks"]] == [None] + [True] * 4 + [None, None, True], model["checks"]
+    draws = next(c for c in model["checks"] if c["name"] == CHECKS[6])["details"]
+    drawn = gpu_checks.DRAW_INDICES * gpu_checks.DRAW_ROWS
+    assert draws == {"same": drawn, "draws": drawn}
     positions = next(c for c in model["checks"] if c["name"] == CHECKS[4])["details"]
     assert positions["chunk"][0] == positions["chunk"][1] > 0
     assert positions["decode_step"][0] == positions["decode_step"][1] > 0
@@ -75,6 +79,9 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
         ("eviction, every layer", "torch")]
     assert all(r["ms"] > 0 and r["rows"] == plan.kernel_rows and r["slots"] == int(plan.history * plan.share)
                for r in model["kernels"])
+    assert [(r["path"], r["rows"]) for r in model["draws"]] == [
+        (path, rows) for rows in sorted({1, gpu.DRAW_ROWS, plan.kernel_rows}) for path in ("greedy", "unseeded", "seeded")]
+    assert all(r["ms"] > 0 and r["vocab"] == gpu_models.SHAPES["tiny"].vocab for r in model["draws"])
 
     # The app's loader reads back a saved model: on the CPU its one placement, the same logits.
     assert result["loading_branches"] == [{"branch": "model.device cpu", "ran": True, "why_not": None}]
@@ -92,7 +99,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert "FAIL" not in page and "not run: they need CUDA" in page
     assert list(model["part_seconds"]) == [
         "the correctness checks", *(f"decode, {name}" for name in [*CACHES, "stock DynamicCache"]),
-        *(f"serving, {name}" for name in CACHES), "prefill", "the kernels alone"]
+        *(f"serving, {name}" for name in CACHES), "prefill", "the kernels alone", "the draws alone"]
     assert all(seconds >= 0 for seconds in model["part_seconds"].values()) and "Seconds by part: " in page
 
 
@@ -156,7 +163,7 @@ def test_a_run_cut_short_leaves_what_it_measured_on_disk(tmp_path, monkeypatch):
     assert result["complete"] is False and result["passed"] is True
     (model,) = result["models"]
     assert [c["name"] for c in model["checks"]] == CHECKS[:-1]
-    assert len(model["decode"]) == len(CACHES) + 1 and model["prefill"] and model["kernels"] == []
+    assert len(model["decode"]) == len(CACHES) + 1 and model["prefill"] and model["kernels"] == model["draws"] == []
     assert {r["cache"] for r in model["serving"]} == set(CACHES) and len(model["largest_batch"]) == 3
     page = (tmp_path / "gpu.md").read_text()
     assert "**Written while the run went on: it ended before the check did**" in page
@@ -171,7 +178,7 @@ def test_only_the_parts_asked_for_run(tmp_path, capsys):
     (model,) = result["models"]
     assert [c["name"] for c in model["checks"]] == CHECKS
     assert [r["cache"] for r in model["decode"]] == [*CACHES, "stock DynamicCache"]
-    assert model["serving"] == model["largest_batch"] == model["prefill"] == model["kernels"] == []
+    assert model["serving"] == model["largest_batch"] == model["prefill"] == model["kernels"] == model["draws"] == []
     assert result["loading"] == result["loading_branches"] == []
     page = (tmp_path / "gpu.md").read_text()
     assert "Parts run: checks, decode (of checks, decode, serving, largest, prefill, kernels, loading)." in page

@@ -21,7 +21,8 @@ drawn at once). Per model:
    the sweep;
 5. prefill tokens/s of a long prompt in chunks;
 6. the decode step's kernels alone at ``kernel_rows`` rows against the torch path they
-   replace, the attention kernel at several launch settings (``gpu_kernels.py``).
+   replace, the attention kernel at several launch settings, and a step's draws, greedy,
+   unseeded and seeded (``gpu_kernels.py``).
 
 Then a small random model saved as a model folder is loaded back through ``load_model``
 with every placement the device allows, CUDA-only ones included (``device_map``,
@@ -111,6 +112,9 @@ QUANTIZED = {"K8/V4": (dict(key_bits=8, value_bits=4), 0.8),
 # and K8/V4 (the last design is compared at the sweep's batches; its search would cost a
 # GPU run's minutes for no target).
 LARGEST_SEARCHED = 3
+# The draws are timed at one row, at this many (the serving target's conversations) and
+# at ``kernel_rows``.
+DRAW_ROWS = 64
 # Steps a serving run takes beside its timed ones: three to warm up, one profiled.
 STEP_ROOM = 4
 # The check's parts, in the order they run; "largest" is the largest-batch search of
@@ -432,6 +436,7 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
               "fused_norms": fused["norms"], "fused_attentions": fused["attentions"], "fused_mlps": fused["mlps"],
               "dtype": str(model.dtype), "weights_mb": in_use(device) / MB if device.type == "cuda" else None,
               "decode": [], "serving": [], "step_costs": [], "largest_batch": [], "prefill": [], "kernels": [],
+              "draws": [],
               "part_seconds": {}}
     checks: list[Check] = []
 
@@ -489,6 +494,9 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
             model, plan.kernel_rows, int(plan.history * plan.share), device), lambda: release(device)) or []
         for row in result["kernels"]:
             log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
+        result["draws"] = part("the draws alone", lambda: gpu_kernels.draw_rows(
+            model, tuple(sorted({1, DRAW_ROWS, plan.kernel_rows})), device), lambda: release(device)) or []
+        log("  draws: " + ", ".join(f"{r['path']} {r['rows']} rows {r['ms']:.3f} ms" for r in result["draws"]))
     freed_check = freed.check()
     checks.append(freed_check)
     log(f"  {verdict(freed_check.passed)} {freed_check.name}: {freed_check.measured}")
@@ -626,7 +634,9 @@ def markdown(result: dict) -> str:
             (["kernel alone (one layer; eviction: every layer)", "path", "rows", "slots", "ms", "MiB of inputs",
               "GB/s of inputs"],
              [[r["what"], r["path"], r["rows"], r["slots"], f"{r['ms']:.3f}", f"{r['held_mb']:.1f}",
-               f"{r['gb_s']:.0f}"] for r in m["kernels"]])]
+               f"{r['gb_s']:.0f}"] for r in m["kernels"]]),
+            (["a step's draws", "rows", "vocabulary", "ms"],
+             [[r["path"], r["rows"], r["vocab"], f"{r['ms']:.3f}"] for r in m["draws"]])]
         blocks.extend(md_table(header, rows) for header, rows in tables if rows)
         blocks.append("Seconds by part: " + "; ".join(f"{what} {seconds:g} s" for what, seconds
                                                        in m["part_seconds"].items()) + ".")

@@ -21,7 +21,12 @@
   attention (``attention.scored_decode``, one Triton kernel on a GPU) against
   ``scored_attention`` in float32 on the same inputs, rows of unlike lengths: outputs and
   each slot's received mass, for slots held as floats and as 8-bit keys and 4-bit values
-  (read as codes by the kernel) with the exact window over the newest.
+  (read as codes by the kernel) with the exact window over the newest;
+- **seeded draws on the device equal the host's**: the same logits drawn from on the
+  device and on the CPU by seeded rows (peaked and flat, top-p below 1 and at 1, so
+  every way a draw goes), at a few indices of a reply: a seed's noise is a hash of
+  integers, so only the softmax's rounding may move a token (a near tie). No verdict
+  where the device is the CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import TypeVar
 
 import torch
 
+from h2o_chat.config import GenerationConfig
 from h2o_chat.engine.attention import fused_decode_kernel, scored_attention, scored_decode
 from h2o_chat.engine.build import cache_for_policy, make_cache
 from h2o_chat.engine.budget import split_slots
@@ -45,6 +51,7 @@ from h2o_chat.engine.slots import evict_slots
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.engine.stored import StoredSlots
 from h2o_chat.engine.window import window_name
+from h2o_chat.sampling import Draw, Sampling, draw_tokens
 from h2o_chat.scheduler import forward_one
 
 # Two code paths in bfloat16 may each stray from the exact logits as far as rounding
@@ -62,6 +69,12 @@ NEAR_TIES = 0.02
 # probabilities; the received mass stays float32 throughout.
 FUSED_OUTPUT_GAP = 0.01
 FUSED_MASS_GAP = 1e-4
+# Share of seeded draws that must be the same on the device as on the host: the two round
+# the softmax differently, which may flip a near tie between two tokens (none expected).
+SAME_DRAWS = 0.99
+# Rows of logits the seeded draws are compared over (the first quarter of them flat), and
+# the indices of a reply drawn at: the host's draws over a 128k vocabulary take seconds.
+DRAW_ROWS, DRAW_INDICES = 64, 4
 # Characters of an error's message a failed check keeps (a CUDA out-of-memory one runs long).
 MESSAGE_CHARS = 400
 
@@ -72,6 +85,7 @@ BATCHED = "batched rows equal each row alone"
 CAPTURED = "a captured step equals an eager one"
 POSITIONS = "kept positions equal the CPU rule for the same scores"
 FUSED = "the fused decode attention equals the reference"
+DRAWS = "seeded draws on the device equal the host's"
 
 
 @dataclass
@@ -355,6 +369,25 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
                  {"gaps": gaps, "fused": fused, "parts": parts})
 
 
+def seeded_draws_equal_host(model, device: torch.device) -> Check:
+    vocab, settings = model.config.vocab_size, GenerationConfig()
+    logits = torch.randn(DRAW_ROWS, vocab, generator=torch.Generator().manual_seed(11)) * 4
+    logits[: DRAW_ROWS // 4] *= 0.001  # flat: a nucleus past the candidates
+    on_device, rows = logits.to(device), list(range(DRAW_ROWS))
+    same = 0
+    for index in range(DRAW_INDICES):
+        draws = [Draw(Sampling(temperature=settings.temperature, top_p=settings.top_p if row % 2 else 1.0,
+                               seed=1000 * index + row), index) for row in rows]
+        same += sum(a == b for a, b in zip(draw_tokens(on_device, rows, draws), draw_tokens(logits, rows, draws)))
+    total = DRAW_INDICES * DRAW_ROWS
+    if device.type == "cpu":
+        return Check(DRAWS, None, f"the device is the host: {same} of {total} draws compared with themselves",
+                     {"same": same, "draws": total})
+    return Check(DRAWS, same >= SAME_DRAWS * total,
+                 f"{same} of {total} seeded draws the same (at least {SAME_DRAWS:.0%} must be)",
+                 {"same": same, "draws": total})
+
+
 def run(model, context: int, steps: int, chunk: int, device: torch.device) -> list[Check]:
     ids = random_ids(model, context + steps, device, seed=1)
     noise = rounding_noise(model, ids, context, chunk)
@@ -368,7 +401,8 @@ def run(model, context: int, steps: int, chunk: int, device: torch.device) -> li
                        (BATCHED, lambda: batched_rows_equal_alone(model, context, steps, chunk, device, tolerance)),
                        (CAPTURED, lambda: captured_step_equals_eager(model, context, steps, chunk, device, tolerance)),
                        (POSITIONS, lambda: kept_positions_equal_cpu_rule(model, context, chunk, device)),
-                       (FUSED, lambda: fused_decode_equals_reference(model, device))):
+                       (FUSED, lambda: fused_decode_equals_reference(model, device)),
+                       (DRAWS, lambda: seeded_draws_equal_host(model, device))):
         check, failure = attempt(name, work)
         checks.append(check or failure)
     return checks

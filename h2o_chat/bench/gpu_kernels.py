@@ -10,7 +10,10 @@ worth and how its launch should be tuned.
   of the same bytes reaches there; and at few rows (1 and 16), the kernel with each
   row's slots read whole and in the parts it splits them into there;
 - **eviction**: the choice of the slot to drop for every layer, row and KV head at once
-  (``evict_kernel`` against ``selection``'s operations).
+  (``evict_kernel`` against ``selection``'s operations);
+- **draws** (``draw_rows``): a step's tokens drawn from its logits over the model's
+  vocabulary (``sampling.draw_tokens``, outside the step's graph): greedy, and at the
+  app's temperature and top-p unseeded and seeded, at one row and at many.
 
 Each row gives the median time of a call and the bytes its inputs hold per second (a
 lower bound on what was read). On a device without the kernels (the CPU) only the torch
@@ -26,11 +29,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from h2o_chat.config import GenerationConfig
 from h2o_chat.engine import kernels
 from h2o_chat.engine.attention import scored_attention
 from h2o_chat.engine.batch import END, FIELDS, POSITION, SLOT, START
 from h2o_chat.engine.selection import RANK_SCORE, lowest_slot, middle_slots
 from h2o_chat.engine.stored import StoredSlots
+from h2o_chat.sampling import Draw, Sampling, draw_tokens
 
 # The attention kernel's launch settings tried: (warps, stages); Triton's default first.
 LAUNCHES = ((4, 3), (2, 2), (4, 1), (4, 2), (8, 2), (8, 3))
@@ -167,3 +172,22 @@ def run(model, rows: int, slots: int, device: torch.device, repeats: int = 10) -
     with torch.inference_mode():
         return (attention_rows(model, rows, slots, device, repeats) + split_rows(model, slots, device, repeats)
                 + eviction_rows(model, rows, slots, device, repeats))
+
+
+def draw_rows(model, counts: tuple[int, ...], device: torch.device, repeats: int = 10) -> list[dict]:
+    """A step's draws at each row count of ``counts``, from logits over the model's
+    vocabulary (normal, spread as a trained model's peaked ones are): greedy, and at the
+    app's temperature and top-p unseeded (fresh noise) and seeded (each row's noise hashed
+    from its seed and the token's index); the host's read of the tokens included."""
+    vocab, settings = model.config.vocab_size, GenerationConfig()
+    generator = torch.Generator().manual_seed(4)
+    results = []
+    for rows in counts:
+        logits = (torch.randn(rows, vocab, generator=generator) * 4).to(device)
+        for path, seeded, temperature in (("greedy", False, 0.0), ("unseeded", False, settings.temperature),
+                                          ("seeded", True, settings.temperature)):
+            draws = [Draw(Sampling(temperature=temperature, top_p=settings.top_p, seed=row if seeded else None))
+                     for row in range(rows)]
+            ms = timed(lambda: draw_tokens(logits, list(range(rows)), draws), device, repeats)
+            results.append({"path": path, "rows": rows, "vocab": vocab, "ms": ms})
+    return results
