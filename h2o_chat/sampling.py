@@ -5,10 +5,10 @@ hundred most likely tokens with their probabilities, among which a nucleus nearl
 lies. So the device ranks every row at once and draws there, every row at once, seeded
 or not: a seeded row's noise is a hash of its key and each token's id, so it draws the
 same token beside any others or alone, and no row loops on the host; where no row is
-seeded, the noise is drawn fresh (two operations a step where the hash takes thirty). The host reads
-every row's token in one transfer. The rows whose nucleus reaches past those candidates
-(a very flat distribution, or ``top_p`` 1) draw again from their whole distributions,
-on the device too, all at once: two reads a step at most.
+seeded, the noise is drawn fresh (two operations a step where the hash takes thirty).
+The host reads every row's token in one transfer. The rows whose nucleus reaches past
+those candidates (a very flat distribution, or ``top_p`` 1) draw again from their whole
+distributions, on the device too, all at once: two reads a step at most.
 """
 
 from __future__ import annotations

@@ -370,6 +370,7 @@ def fused_decode_equals_reference(model, device: torch.device) -> Check:
 
 
 def seeded_draws_equal_host(model, device: torch.device) -> Check:
+    """The tokens seeded rows draw from the same logits on ``device`` and on the CPU."""
     vocab, settings = model.config.vocab_size, GenerationConfig()
     logits = torch.randn(DRAW_ROWS, vocab, generator=torch.Generator().manual_seed(11)) * 4
     logits[: DRAW_ROWS // 4] *= 0.001  # flat: a nucleus past the candidates
