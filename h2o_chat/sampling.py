@@ -73,14 +73,16 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     if greedy:
         parts.append(logits[_index([rows[i] for i in greedy], logits)].argmax(dim=-1).to(torch.float64))
     if sampled:
-        settings = _settings([draws[i] for i in sampled]).to(logits.device)
+        # Keys only where some row is seeded: else fresh noise, without the hash.
+        keyed = any(draws[i].sampling.seed is not None for i in sampled)
+        settings = _settings([draws[i] for i in sampled], keyed).to(logits.device)
         scaled = logits[_index([rows[i] for i in sampled], logits)].float()
         temperatures = settings[:, _TEMPERATURE, None].float()
         probs = torch.softmax((scaled - scaled.amax(dim=-1, keepdim=True)) / temperatures, dim=-1)
         vocab = probs.shape[-1]
         top, ids = probs.topk(min(NUCLEUS_CANDIDATES, vocab))
         limits = settings[:, _LIMIT, None].float()
-        keys = settings[:, _KEY].long() if any(draws[i].sampling.seed is not None for i in sampled) else None
+        keys = settings[:, _KEY].long() if keyed else None
         before = top.cumsum(-1) - top  # the mass of the more likely candidates
         # Where the candidates' last is outside the nucleus, the nucleus lies among them.
         within = (before[:, -1] >= limits[:, 0]) | (top.shape[-1] == vocab)
@@ -102,17 +104,16 @@ def draw_tokens(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> lis
     return tokens
 
 
-def _settings(draws: list[Draw]) -> torch.Tensor:
+def _settings(draws: list[Draw], keyed: bool) -> torch.Tensor:
     """Sampled rows' temperature, nucleus limit and noise key, ``(rows, 4)`` float64 on the
     host. A tiny temperature (5e-324 is a valid one) would overflow the logits over it to
     infinity and the softmax to NaN: it is kept from underflowing float32 to 0 (the logits
     are taken below their maximum first), so it tends to the greedy token, as it should.
-    ``top_p`` 1 keeps every token: no limit, whatever the float sums come to. Where some
-    row is seeded, the others' keys are drawn fresh; else no row's key is used."""
+    ``top_p`` 1 keeps every token: no limit, whatever the float sums come to. ``keyed``:
+    unseeded rows' keys are drawn fresh; else every key is 0 and unused."""
     tiny = torch.finfo(torch.float32).tiny
-    unseeded = sum(draw.sampling.seed is None for draw in draws)
-    keyed = unseeded < len(draws)
-    fresh = iter(torch.randint(0, 2**32, (unseeded, 2)).tolist() if keyed and unseeded else [])
+    unseeded = sum(draw.sampling.seed is None for draw in draws) if keyed else 0
+    fresh = iter(torch.randint(0, 2**32, (unseeded, 2)).tolist() if unseeded else [])
     return torch.tensor([
         [max(draw.sampling.temperature, tiny), draw.sampling.top_p if draw.sampling.top_p < 1 else math.inf,
          *(_seeded_key(draw.sampling.seed, draw.index) if draw.sampling.seed is not None
@@ -159,8 +160,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def _draw_beyond(probs: torch.Tensor, limits: torch.Tensor, keys: torch.Tensor | None, beyond: list[int],
                  draws: list[Draw]) -> list[int]:
     """The tokens of rows ``beyond`` of ``probs``, whose nucleus reaches past the candidates,
-    drawn from their whole distributions with the same noise (where keyed: whether a row
-    draws again depends on its distribution alone, so fresh noise draws as fairly)."""
+    drawn from their whole distributions: with the same noise where keyed, else with fresh
+    noise, as fair (whether a row draws again depends on its distribution alone)."""
     which = torch.tensor(beyond, device=probs.device)
     probs, limits = probs[which], limits[which]
     keys = None if keys is None else keys[which]

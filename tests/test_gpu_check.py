@@ -80,7 +80,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert all(r["ms"] > 0 and r["rows"] == plan.kernel_rows and r["slots"] == int(plan.history * plan.share)
                for r in model["kernels"])
     assert [(r["path"], r["rows"]) for r in model["draws"]] == [
-        (path, rows) for rows in sorted({1, gpu.DRAW_ROWS, plan.kernel_rows}) for path in ("greedy", "unseeded", "seeded")]
+        (path, rows) for rows in sorted({1, gpu.TIMED_DRAW_ROWS, plan.kernel_rows}) for path in ("greedy", "unseeded", "seeded")]
     assert all(r["ms"] > 0 and r["vocab"] == gpu_models.SHAPES["tiny"].vocab for r in model["draws"])
 
     # The app's loader reads back a saved model: on the CPU its one placement, the same logits.

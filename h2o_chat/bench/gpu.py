@@ -114,7 +114,7 @@ QUANTIZED = {"K8/V4": (dict(key_bits=8, value_bits=4), 0.8),
 LARGEST_SEARCHED = 3
 # The draws are timed at one row, at this many (the serving target's conversations) and
 # at ``kernel_rows``.
-DRAW_ROWS = 64
+TIMED_DRAW_ROWS = 64
 # Steps a serving run takes beside its timed ones: three to warm up, one profiled.
 STEP_ROOM = 4
 # The check's parts, in the order they run; "largest" is the largest-batch search of
@@ -495,7 +495,7 @@ def run_model(name: str, plan: Plan, device: torch.device, parts: frozenset[str]
         for row in result["kernels"]:
             log(f"  {row['what']}, {row['path']}: {row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s held")
         result["draws"] = part("the draws alone", lambda: gpu_kernels.draw_rows(
-            model, tuple(sorted({1, DRAW_ROWS, plan.kernel_rows})), device), lambda: release(device)) or []
+            model, tuple(sorted({1, TIMED_DRAW_ROWS, plan.kernel_rows})), device), lambda: release(device)) or []
         log("  draws: " + ", ".join(f"{r['path']} {r['rows']} rows {r['ms']:.3f} ms" for r in result["draws"]))
     freed_check = freed.check()
     checks.append(freed_check)
