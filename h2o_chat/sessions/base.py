@@ -29,6 +29,7 @@ from ..inputs import InputError, InputLimits
 from ..loading import eos_token_ids
 from ..scheduler import BatchScheduler, TakeTurns, scheduler_for
 from .pins import decode, find_span
+from .reply_text import ReplyText
 
 _ENCODING = threading.Lock()  # see Session._encode; encoding is short, one lock is enough
 
@@ -431,7 +432,8 @@ class Session:
         lead = self.tokens[max(0, start - 3) : start]
         if self.complete_text(lead) == self.decode(lead):
             lead = []  # they end with a whole character: the reply's text is its own
-        emitted = self.complete_text(lead + generated)  # went out before, or not the reply's
+        shown = ReplyText(self.decode, lead + generated)  # went out before, or not the reply's
+        handed = len(generated)  # the reply's tokens ``shown`` has
         generation = self._generation(sampling)
         for count in self._run(generation):
             now = time.perf_counter()
@@ -441,14 +443,13 @@ class Session:
             if generated[count - 1] in self.eos_ids:
                 continue  # the end of the turn: kept in the reply, not in its text
             # A multi-byte character may span tokens: it goes out once complete.
-            text = self.complete_text(lead + generated[:count])
-            if len(text) > len(emitted):
+            if text := shown.grow(generated[handed:count]):
                 try:
-                    yield text[len(emitted) :]
+                    yield text
                 except GeneratorExit:
                     self._reply_taken = count
                     raise
-                emitted = text
+            handed = count
         if decode_started is None:
             self._prefill_seconds = time.perf_counter() - started
         self.finish_reason = generation.finish
