@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -64,6 +65,8 @@ class Generation:
         # called as the generation ends, before its caller hears of it.
         self.on_end: Callable[[], None] | None = None
         self._cancelled = False  # its stream was closed: end, without touching ``stop``
+        self._told = len(reply)  # the reply's length as the caller last heard it
+        self._woken_at = -float("inf")  # when the caller was last woken (time.monotonic)
         self._out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._end_tensor = torch.tensor(sorted(end_ids), dtype=torch.long)
 
@@ -105,16 +108,26 @@ class Generation:
             return None
         return Draw(self.sampling, self.generated, self._banned())
 
-    def take(self, token: int) -> None:
-        """The token the runner drew for the draw ``fed_to`` asked for."""
+    def take(self, token: int, quiet_s: float = 0.0) -> None:
+        """The token the runner drew for the draw ``fed_to`` asked for. The caller is woken
+        for it unless it was woken less than ``quiet_s`` ago (it then reads this token
+        with the next); the generation's end always wakes it."""
         self.tokens.append(token)
         self.reply.append(token)
         self.generated += 1
-        self._out.put(len(self.reply))
         if token in self.end_ids:
             self.end("end")
         elif self.generated == self.sampling.max_new_tokens:
             self.end("length")
+        elif (now := time.monotonic()) - self._woken_at >= quiet_s:
+            self._woken_at = now
+            self._wake()
+
+    def _wake(self) -> None:
+        """Hand the caller the reply's length, if it grew since the caller last heard."""
+        if len(self.reply) != self._told:
+            self._told = len(self.reply)
+            self._out.put(self._told)
 
     def _banned(self) -> torch.Tensor | None:
         """Token ids the next draw must skip: ``never``, and the end-of-turn ids before
@@ -132,15 +145,16 @@ class Generation:
                 reason, error = "failed", error or err
         self.error = error
         self.finish = reason
+        self._wake()
         self._out.put(None)
         self.done.set()
 
     # ---- for the caller ---------------------------------------------------------------------
 
     def stream(self) -> Iterator[int]:
-        """The length of ``reply`` after each token sampled, as the runner samples them;
-        raises what failed a pass. Closed early, the generation ends after the runner's
-        step under way."""
+        """The length of ``reply`` each time the runner wakes the caller: after each token
+        sampled, or after several (see ``take``), and at the end; raises what failed a
+        pass. Closed early, the generation ends after the runner's step under way."""
         try:
             while (count := self._out.get()) is not None:
                 yield count

@@ -38,6 +38,17 @@ PREFILL_PIECE = 64
 # in one pass and 1.66-1.78 s in passes of their own (one thread, the embedded model),
 # while decoding rows wait for the pass.
 PROMPT_ROWS = 8
+# A reader of a generation's stream (a turn's thread) is woken at most once in this many
+# seconds per row of the pass that drew its token, up to WAKE_MAX_S (the longest it
+# waits while tokens come); tokens drawn meanwhile reach it with the next. Each wake-up
+# costs the worker about 10 us of the interpreter's lock, which it needs between its
+# kernels, so the readers then take a few per cent of its time at any row count. Woken
+# on every token, 128 rows of a tiny model (steps of 5-9 ms, as on a GPU) took 11.3 ms a
+# step, and 6.2-6.7 ms with this ("Readers" in docs/benchmarks.md). A step of the
+# embedded model on a CPU lasts longer than its rows' quiet time: there every token
+# still goes out on its own.
+WAKE_PER_ROW_S = 0.0003
+WAKE_MAX_S = 0.1
 
 
 class TakeTurns:
@@ -81,14 +92,17 @@ class BatchScheduler:
     piece (batched rows round differently than one row alone). The rows already running
     go on meanwhile. Zero by default: tests use it to make batches reproducible.
     ``step``: the decode step to run (default: one with CUDA graphs where the model is on
-    CUDA, see ``engine.step``)."""
+    CUDA, see ``engine.step``). ``wake_per_row_s`` and ``wake_max_s``: how often a
+    decoding row's reader is woken at most (see ``WAKE_PER_ROW_S``)."""
 
     def __init__(self, model, gather_s: float = 0.0, max_batch: int = 64,
-                 prefill_piece: int = PREFILL_PIECE, step: DecodeStep | None = None) -> None:
+                 prefill_piece: int = PREFILL_PIECE, step: DecodeStep | None = None,
+                 wake_per_row_s: float = WAKE_PER_ROW_S, wake_max_s: float = WAKE_MAX_S) -> None:
         # Weak: the scheduler is kept per model in a weak dictionary, which a strong
         # reference back would keep alive for ever.
         self._model = weakref.ref(model)
         self.gather_s, self.max_batch, self.prefill_piece = gather_s, max_batch, prefill_piece
+        self.wake_per_row_s, self.wake_max_s = wake_per_row_s, wake_max_s
         self._arriving: list[Generation] = []
         self._arrived_at = 0.0  # when the first of them arrived
         self._running: list[Generation] = []
@@ -234,7 +248,8 @@ class BatchScheduler:
                     continue
                 if len(generations) > 1:
                     self.batched_rows += len(generations)
-                settle_pass(generations, [g.fed + 1 for g in generations], logits)
+                quiet_s = min(self.wake_per_row_s * len(generations), self.wake_max_s)
+                settle_pass(generations, [g.fed + 1 for g in generations], logits, quiet_s)
 
 
 def _work(scheduler_ref: weakref.ref) -> None:
@@ -274,9 +289,11 @@ def _alone(model, caches: list[Cache], tokens: list[int]) -> torch.Tensor:
     return forward_one(model, caches[0], torch.tensor([tokens], device=model.device))[None]
 
 
-def settle_pass(generations: list[Generation], ends: list[int], logits: torch.Tensor) -> None:
+def settle_pass(generations: list[Generation], ends: list[int], logits: torch.Tensor,
+                quiet_s: float = 0.0) -> None:
     """After a pass that fed ``generations[i]`` up to ``ends[i]``, row ``i`` of ``logits``
-    predicting what follows: each takes the pass, and the tokens due are drawn at once."""
+    predicting what follows: each takes the pass, and the tokens due are drawn at once
+    (each reader woken for its token unless it was less than ``quiet_s`` ago)."""
     due: list[tuple[int, Generation]] = []
     draws = []
     for row, (generation, end) in enumerate(zip(generations, ends, strict=True)):
@@ -298,7 +315,7 @@ def settle_pass(generations: list[Generation], ends: list[int], logits: torch.Te
         return
     for (_, generation), token in zip(due, tokens):
         try:
-            generation.take(token)
+            generation.take(token, quiet_s)
         except BaseException as err:
             generation.end("failed", err)
 

@@ -7,6 +7,8 @@ import torch
 
 from h2o_chat import ChatSession, StorySession, make_cache
 from h2o_chat.engine.step import DecodeStep
+from h2o_chat.generation import Generation
+from h2o_chat.sampling import Sampling
 from h2o_chat.scheduler import BatchScheduler, TakeTurns, forward_one, forward_pieces
 
 from .helpers import (GREEDY, assert_at_rest_within_budget, assert_consistent, fail_next_forward, h2o,
@@ -474,3 +476,58 @@ def test_a_chat_turn_stopped_before_its_reply_began_is_taken_back(smollm, stoppe
     assert reply == "".join(never.send("Name a fruit.", **GREEDY)) and reply.strip()
     assert session.tokens == never.tokens and session.messages == never.messages
     assert_consistent(session)
+
+
+def _stream_counts(model, quiet_s: float) -> list[tuple[list[int], list[int]]]:
+    """Three generations batched, each read in a thread of its own: the counts each
+    reader was handed and the tokens each drew."""
+    scheduler = BatchScheduler(model, gather_s=1.0, wake_per_row_s=quiet_s, wake_max_s=quiet_s)
+    generations = [Generation(new_cache(model, row), prompt[0].tolist(), 0, Sampling(max_new_tokens=12, temperature=0),
+                              chunk=64, reply=[]) for row, prompt in zip(ROWS[:3], prompts()[:3])]
+    counts: list[list[int]] = [[] for _ in generations]
+
+    def read(index: int) -> None:
+        counts[index] = list(scheduler.generate(generations[index]))
+
+    together(*(lambda i=i: read(i) for i in range(3)))
+    return [(each, generation.reply) for each, generation in zip(counts, generations)]
+
+
+def test_tokens_drawn_soon_after_a_readers_wake_up_reach_it_with_the_next(tiny_model):
+    """A reader woken less than the quiet time ago is not woken again: the tokens drawn
+    meanwhile reach it with the next wake-up, and the generation's end always wakes it.
+    The tokens drawn are those of readers woken on every token."""
+    every_token = _stream_counts(tiny_model, 0.0)
+    quiet = _stream_counts(tiny_model, 3600.0)
+    for (counts, reply), (quiet_counts, quiet_reply) in zip(every_token, quiet):
+        assert counts == list(range(1, 13))
+        assert quiet_counts == [1, 12]  # the first token, then the end
+        assert quiet_reply == reply
+
+
+def test_a_reader_woken_for_several_tokens_at_once_streams_the_text_of_one_woken_for_each(smollm):
+    """Replies that end at the end of the turn (a multi-byte character in one) and at the
+    length limit: the same text and tokens, in at most two pieces."""
+    model, tokenizer = smollm
+    messages = ["Write the word 'café' with an emoji.", "Name three colours.",
+                "How do you write 'thank you' in Japanese? Answer in one line."]
+
+    def chat_all(quiet_s: float) -> list[tuple[list[str], ChatSession]]:
+        scheduler = BatchScheduler(model, gather_s=1.0, wake_per_row_s=quiet_s, wake_max_s=quiet_s)
+        out: list = [None] * len(messages)
+
+        def chat(index: int) -> None:
+            session = ChatSession(model, tokenizer, cache=h2o(model, 24, 24), runner=scheduler)
+            out[index] = (list(session.send(messages[index], temperature=0, max_new_tokens=40)), session)
+
+        together(*(lambda i=i: chat(i) for i in range(len(messages))))
+        return out
+
+    every_token, quiet = chat_all(0.0), chat_all(3600.0)
+    assert {session.finish_reason for _, session in quiet} == {"end", "length"}
+    for (pieces, session), (quiet_pieces, quiet_session) in zip(every_token, quiet):
+        assert "".join(quiet_pieces) == "".join(pieces) and "".join(pieces).strip()
+        assert len(quiet_pieces) <= 2 < len(pieces)
+        assert quiet_session.tokens == session.tokens and quiet_session.reply == session.reply
+        assert quiet_session.finish_reason == session.finish_reason
+        assert_consistent(quiet_session)

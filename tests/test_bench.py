@@ -218,6 +218,7 @@ def test_the_index_collects_every_page_in_the_folder(tmp_path):
     (["continuation", "--budgets", "abc"], "--budgets 'abc': must be a comma list of fractions above 0"),
     (["bytes", "--shares", "0,0.2"], "--shares '0,0.2': must be a comma list of shares above 0 and at most 1"),
     (["xsum", "--variant", "foo"], "--variant 'foo': must be norm:heavy share:sink"),
+    (["readers", "--reader-rows", "16,0"], "--reader-rows '16,0': must be a comma list of whole numbers from 1"),
 ])
 def test_a_value_no_comparison_can_run_with_is_refused_in_one_line(argv, message, capsys):
     """Before anything loads (QA: these ended after the model loaded in a traceback, and
@@ -335,3 +336,15 @@ def test_rolling_bench_scores_every_token_in_its_window(tiny_model, tmp_path):
     assert "| 64–70 | inside |" in report.rolling_markdown(tight)
     # Both presets stream past the real model's 8192-token trained context.
     assert min(parse_args(["rolling", mode]).tokens for mode in ("--quick", "--full")) > 8192
+
+
+def test_the_readers_bench_times_every_way_for_every_row_count():
+    """Each way runs its rows to their length (a row ending early raises), and the table
+    has every row count and way, the floor at 1.00×."""
+    from h2o_chat.bench import readers
+
+    result = readers.run([1, 3], rounds=1, log=lambda _: None)
+    assert [(r["rows"], r["way"]) for r in result["results"]] == [(n, way) for n in (1, 3) for way in readers.WAYS]
+    assert all(r["step_ms"] > 0 and len(r["times"]) == 1 for r in result["results"])
+    table = readers.markdown(result)
+    assert table.count("| 1.00× |") == 2 and "woken as the app does" in table

@@ -3,7 +3,8 @@
 Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), speed (4),
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), step (the decode step's cost as
-conversations are added), bytes (8: quality at equal memory, storage precision and
+conversations are added), readers (what the threads reading the replies cost the
+scheduler's worker), bytes (8: quality at equal memory, storage precision and
 eviction), storage (8b: designs for 4-bit slots, quantization alone), tiers (8d: evicted
 tokens kept at fewer bits), shapes (8e: per-layer and per-head budgets), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
@@ -30,8 +31,8 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import (budget_shapes, data, equal_bytes, gpu, gpu_models, long_chat, peer, report, rolling, serve, speed, step,
-               storage_designs, streaming, tier_study, xsum)
+from . import (budget_shapes, data, equal_bytes, gpu, gpu_models, long_chat, peer, readers, report, rolling, serve,
+               speed, step, storage_designs, streaming, tier_study, xsum)
 from .options import flag, parse_budgets, parse_counts, parse_serve_configs, parse_shares, refuse_below
 from .variants import Variant, h2o_split, standard_variants
 
@@ -60,6 +61,7 @@ _LISTS: dict[str, tuple[Callable[[str], object], str]] = {
     "tune_budgets": (parse_budgets, "fractions above 0 and at most 1 (0.2) or slot counts from 1 (256)"),
     "contexts": (parse_counts, "whole numbers from 1"),
     "step_rows": (parse_counts, "whole numbers from 1"),
+    "reader_rows": (parse_counts, "whole numbers from 1"),
     "byte_contexts": (lambda text: parse_counts(text, allow_none=True), "whole numbers from 1, or ''"),
     "serve_configs": (parse_serve_configs, "CONVERSATIONSxHISTORY pairs of whole numbers from 1, e.g. 4x2048"),
     "shares": (parse_shares, "shares above 0 and at most 1"),
@@ -133,7 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-slots", type=int, default=128, help="step: cache slots of each row (default 128)")
     p.add_argument("--step-policies", default="h2o",
                    help="step: comma list of policies timed side by side (h2o first: the others' ratios are to it)")
-    p.add_argument("--step-rounds", type=int, default=5, help="step: timed rounds alternating the row counts")
+    p.add_argument("--step-rounds", type=int, default=5,
+                   help="step, readers: timed rounds alternating the row counts")
+    p.add_argument("--reader-rows", default="16,64,128", help="readers: comma list of rows decoding together")
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
     p.add_argument("--design-len", type=int, default=1536,
@@ -323,6 +327,9 @@ TABLE: dict[str, Comparison] = {
         b.model, b.tokenizer, parse_counts(b.args.step_rows), b.args.step_history, b.args.step_slots,
         b.args.step_rounds, steps=4, policies=_labels(b.args.step_policies), log=log)), lambda b, result: [
         ("step", "The decode step's cost as conversations are added", step.markdown(result))]),
+    "readers": Comparison("readers", lambda b: ("readers", readers.run(
+        parse_counts(b.args.reader_rows), b.args.step_rounds, log=log)), lambda b, result: [
+        ("readers", "What the threads reading the replies cost the scheduler's worker", readers.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
         lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, parse_shares(b.args.shares),

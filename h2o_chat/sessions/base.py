@@ -440,16 +440,17 @@ class Session:
             if decode_started is None:
                 self._prefill_seconds, decode_started = now - started, now
             self._decode_tokens_per_s = (count - kept - 1) / max(now - decode_started, 1e-9)
-            if generated[count - 1] in self.eos_ids:
-                continue  # the end of the turn: kept in the reply, not in its text
+            # The end of the turn, the last token when there is one, is kept in the
+            # reply, not in its text.
+            shown_to = count - 1 if generated[count - 1] in self.eos_ids else count
             # A multi-byte character may span tokens: it goes out once complete.
-            if text := shown.grow(generated[handed:count]):
+            if shown_to > handed and (text := shown.grow(generated[handed:shown_to])):
                 try:
                     yield text
                 except GeneratorExit:
                     self._reply_taken = count
                     raise
-            handed = count
+            handed = shown_to
         if decode_started is None:
             self._prefill_seconds = time.perf_counter() - started
         self.finish_reason = generation.finish
