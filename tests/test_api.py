@@ -17,6 +17,7 @@ from h2o_chat.config import load_config
 from h2o_chat.engine.budget import token_bytes
 from h2o_chat.engine.build import cache_from_config
 from h2o_chat.engine.quant import KVStorage
+from h2o_chat.scheduler import scheduler_for
 
 from .api_support import MODEL_ID, api_config, client, reference_session, serving
 
@@ -167,7 +168,22 @@ def test_two_concurrent_clients_get_their_own_conversations(smollm, config, url)
     assert metric(url, "h2o_chat_batched_decode_rows_total") > batched  # they decoded as one batch
 
 
-def test_stop_strings_cut_the_reply_before_them(smollm, config, url):
+@pytest.fixture(params=["as the app wakes", "woken at the first token and the end"])
+def reader_wakes(request, smollm):
+    """How often the scheduler wakes a turn's reader: a reply then streams to the API
+    token by token here, or as one first token and the rest at once (as many rows on a
+    GPU stream)."""
+    scheduler = scheduler_for(smollm[0])
+    kept = scheduler.wake_per_row_s, scheduler.wake_max_s
+    if request.param != "as the app wakes":
+        scheduler.wake_per_row_s = scheduler.wake_max_s = 3600.0
+    try:
+        yield request.param
+    finally:
+        scheduler.wake_per_row_s, scheduler.wake_max_s = kept
+
+
+def test_stop_strings_cut_the_reply_before_them(smollm, config, url, reader_wakes):
     whole, _ = ask(url, [{"role": "user", "content": QUESTION}])
     text = whole.choices[0].message.content
     word = text.split()[2]
@@ -304,7 +320,11 @@ def test_models_health_and_metrics(url):
 def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
     stops = StopMatcher(("END", "xyz"))
     assert [stops.feed(chunk) for chunk in ["ab", "cE", "N", "D and more"]] == ["ab", "c", "", ""]
-    assert stops.stopped
+    assert stops.stopped and stops.through == 6
+    # The stop string that ends first wins, whatever the chunks: "cd" ends before "abcdef".
+    for chunks in (["xabcdefg"], list("xabcdefg"), ["xab", "cdefg"]):
+        stops = StopMatcher(("abcdef", "cd"))
+        assert "".join(stops.feed(chunk) for chunk in chunks) == "xab" and stops.through == 5
     stops = StopMatcher(("END",))
     assert (stops.feed("aE"), stops.feed("x"), stops.feed("E"), stops.flush()) == ("a", "Ex", "", "E")
     assert not stops.stopped

@@ -8,19 +8,26 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self.pending = ""  # text held back: a suffix that some stop string starts with
+        self.passed = 0  # characters of the reply before ``pending``: let out
         self.stopped = False
+        self.through: int | None = None  # once stopped: the reply's characters to the stop string's end
 
     def feed(self, chunk: str) -> str:
         """The text that can go out now; after a stop string, ``stopped`` is True and the
-        text from it on is dropped."""
+        text from it on is dropped. The stop string that ends first in the reply's text
+        wins, so what goes out does not depend on how the text was cut into chunks."""
+        if self.stopped:
+            return ""
         text = self.pending + chunk
-        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        found = [(at + len(stop), at) for stop in self.stops if (at := text.find(stop)) >= 0]
         if found:
-            self.stopped, self.pending = True, ""
-            return text[: min(found)]
+            end, at = min(found)
+            self.stopped, self.pending, self.through = True, "", self.passed + end
+            return text[:at]
         keep = max((size for stop in self.stops for size in range(1, min(len(stop), len(text) + 1))
                     if text.endswith(stop[:size])), default=0)
         self.pending = text[len(text) - keep :]
+        self.passed += len(text) - keep
         return text[: len(text) - keep]
 
     def flush(self) -> str:

@@ -264,6 +264,8 @@ class TurnRunner:
                     break
         finally:
             stream.close()  # the session records the reply so far
+        if stops.stopped:
+            session.took_text(stops.through)
         if text := stops.flush():
             turn.emit(Delta(text))
         if session.finish_reason == "stopped" and not (stops.stopped or turn.cancelled.is_set()):
