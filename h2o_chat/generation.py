@@ -83,7 +83,9 @@ class Generation:
     @property
     def is_decode(self) -> bool:
         """Its next pass feeds one token and ends a chunk: a row of a batched step."""
-        return self.chunk_end - self.chunk_start == 1
+        # The last unfed token is a chunk of its own wherever turns begin: asked of every
+        # row at every step, that answer skips looking turns up.
+        return len(self.tokens) - self.chunk_start == 1 or self.chunk_end - self.chunk_start == 1
 
     @property
     def stopping(self) -> bool:
@@ -94,7 +96,7 @@ class Generation:
         its last's. At a chunk's end the observer sees it; after the last unfed token the
         runner must draw the next (returned: what to draw; ``take`` it), else None."""
         self.fed = end
-        if end < self.chunk_end:
+        if end < len(self.tokens) and end < self.chunk_end:  # a chunk ends at the last token
             return None
         if self.observer is not None:
             self.observer(self.tokens, self.chunk_start, end, logits[row])

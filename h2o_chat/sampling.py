@@ -182,6 +182,8 @@ def _ban(logits: torch.Tensor, rows: list[int], draws: list[Draw]) -> None:
     """Every row's banned tokens to -inf, in one write."""
     bans = [(row, draw.banned) for row, draw in zip(rows, draws) if draw.banned is not None and draw.banned.numel()]
     if bans:
-        which = torch.cat([torch.full_like(banned, row) for row, banned in bans]).to(logits.device)
+        # A few operations whatever the rows: every row of a story bans its end of turn.
+        counts = torch.tensor([banned.numel() for _, banned in bans])
+        which = torch.tensor([row for row, _ in bans]).repeat_interleave(counts).to(logits.device)
         tokens = torch.cat([banned for _, banned in bans]).to(logits.device)
         logits.index_put_((which, tokens), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

@@ -152,6 +152,20 @@ def test_the_candidates_draw_what_the_whole_sorted_vocabulary_draws(smollm, monk
                 assert nucleus_by_sorting(torch.softmax(row / temperature, dim=-1), top_p)[token] > 0
 
 
+def test_each_row_skips_its_own_banned_tokens_drawn_together_or_alone():
+    """Rows banning none, no, one and three tokens (a chat, a story's end of turn, a
+    reply before its ``min_tokens``), greedy and seeded, drawn in one step: each gets the
+    token it gets alone, never one of its own bans, and another row's bans do not touch it."""
+    logits = torch.zeros(5, 50)
+    logits[:, 7], logits[:, 3], logits[:, 11], logits[:, 20] = 9.0, 8.0, 7.0, 6.0
+    bans = [None, torch.tensor([], dtype=torch.long), torch.tensor([7]), torch.tensor([7, 3, 11]), torch.tensor([7])]
+    draws = [Draw(Sampling(temperature=0), banned=banned) for banned in bans[:4]]
+    draws.append(Draw(Sampling(temperature=0.05, seed=4), index=2, banned=bans[4]))
+    together = draw_tokens(logits.clone(), [0, 1, 2, 3, 4], draws)
+    alone = [draw_tokens(logits[row : row + 1].clone(), [0], [draw])[0] for row, draw in enumerate(draws)]
+    assert together == alone == [7, 7, 3, 20, 3]
+
+
 @pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("top_p", [0.9, 1.0])
 def test_rows_draw_from_their_nucleus_in_proportion(seeded, top_p):
