@@ -108,6 +108,7 @@ class BatchScheduler:
         self._running: list[Generation] = []
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
+        self._closed = False  # see ``close``
         # Holds the caches of the rows decoding as rows of its pools: each leaves as its
         # generation ends, so between turns a cache owns its memory.
         self._step = step or DecodeStep()
@@ -118,7 +119,7 @@ class BatchScheduler:
     def generate(self, generation: Generation) -> Iterator[int]:
         """Run ``generation`` (see ``Generation.stream`` for what comes out)."""
         with self._changed:
-            if _exiting.is_set():  # no worker will run it: its caller must not wait for ever
+            if self._ending:  # no worker will run it: its caller must not wait for ever
                 generation.end("stopped")
                 return generation.stream()
             if not self._arriving:
@@ -133,6 +134,21 @@ class BatchScheduler:
         """Bytes the decode step's pools hold beyond their rows' caches (spare rows and
         slots), as of its last step: the cache memory's ledger counts them too."""
         return self._step.spare_bytes
+
+    def close(self) -> None:
+        """Stop the worker after its step under way, its generations ending as stopped,
+        and wait for it; generations asked for afterwards end at once. A scheduler made
+        for one run (a benchmark's) then holds nothing of it: a worker between two steps
+        still holds the generations of the last."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+
+    @property
+    def _ending(self) -> bool:
+        return self._closed or _exiting.is_set()
 
     def load(self) -> int:
         """Generations under way now (arriving or running)."""
@@ -153,13 +169,13 @@ class BatchScheduler:
     def _next_step(self, timeout: float) -> list[Generation] | None:
         """The generations of the next step; None when none came within ``timeout``."""
         with self._changed:
-            if not self._changed.wait_for(lambda: self._arriving or self._running or _exiting.is_set(),
+            if not self._changed.wait_for(lambda: self._arriving or self._running or self._ending,
                                           timeout=timeout):
                 return None
             if self._arriving:
                 due = self._arrived_at + self.gather_s
                 if not self._running:  # nothing else to do meanwhile
-                    while not _exiting.is_set() and (left := due - time.monotonic()) > 0:
+                    while not self._ending and (left := due - time.monotonic()) > 0:
                         self._changed.wait(left)
                 if time.monotonic() >= due:
                     self._running += self._arriving
@@ -253,7 +269,7 @@ class BatchScheduler:
 def _work(scheduler_ref: weakref.ref) -> None:
     while (scheduler := scheduler_ref()) is not None:
         step = scheduler._next_step(timeout=1.0)
-        if _exiting.is_set():
+        if scheduler._ending:
             scheduler._stop_all()
             return
         if step:
@@ -378,6 +394,4 @@ def stop_workers() -> None:
     exception", exit status 134)."""
     _exiting.set()
     for scheduler in list(_workers):
-        with scheduler._changed:
-            scheduler._changed.notify_all()
-        scheduler._worker.join()
+        scheduler.close()

@@ -55,6 +55,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     for row in model["serving"]:
         one = next(r for r in model["serving"] if r["cache"] == row["cache"] and r["conversations"] == 1)
         assert row["aggregate_tok_s"] == pytest.approx(row["per_row_tok_s"] * row["conversations"])
+        assert row["scheduled_tok_s"] > 0  # the same rows on through the app's scheduler, read as turns read
         if row["cache"] == "full":  # unlike histories: the later rows read fewer tokens
             many = row["conversations"] > 1
             assert not many or one["kv_held_mb"] < row["kv_held_mb"] < one["kv_held_mb"] * row["conversations"]
@@ -96,6 +97,8 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
         assert f"- h2o 20% K8/V4 / h2o 20% at {count} conversations: " in page
         assert f"- h2o 20% K4/V4 +16 exact / h2o 20% at {count} conversations: " in page
     assert page.count("(target >= 0.8x)") == page.count("(target >= 0.9x)") == len(plan.batches)
+    assert (f"- {plan.batches[-1]} conversations through the scheduler, a reader per row, against the step alone: "
+            "full ") in page
     assert "FAIL" not in page and "not run: they need CUDA" in page
     assert list(model["part_seconds"]) == [
         "the correctness checks", *(f"decode, {name}" for name in [*CACHES, "stock DynamicCache"]),

@@ -13,7 +13,9 @@ drawn at once). Per model:
    (the reference);
 3. serving: B conversations with unlike histories (``bases`` distinct ones, of different
    lengths and so different kept positions; copies of them past that) decoding as one
-   batch: aggregate and per-row tokens/s, KV bytes; then the largest B that fits in memory
+   batch: aggregate and per-row tokens/s, KV bytes, and the same rows going on through
+   the app's scheduler with a reader thread per row, as turns run (``scheduled.py``: the
+   step's rate less the scheduler's host work per row); then the largest B that fits in memory
    for the full cache, float h2o and K8/V4, projected from the measured bytes and confirmed
    by running it (the H2O paper's throughput argument: a smaller cache fits a bigger batch);
 4. what a step costs (torch.profiler): kernels the GPU ran, launches the host made,
@@ -56,9 +58,11 @@ from h2o_chat.engine.build import make_cache
 from h2o_chat.engine.step import DecodeStep
 from h2o_chat.fused_norms import FusedRMSNorm
 from h2o_chat.fused_projections import FusedAttention, FusedMLP
+from h2o_chat.generation import Generation
 from h2o_chat.sampling import Draw, Sampling, draw_tokens
+from h2o_chat.scheduler import BatchScheduler
 
-from . import gpu_checks, gpu_kernels, gpu_loading, gpu_models
+from . import gpu_checks, gpu_kernels, gpu_loading, gpu_models, scheduled
 from .gpu_checks import Check, h2o_budgets, random_ids
 from .report import md_table
 from .speed import RssSampler, decode, kv_numbers, prefill, synchronize
@@ -80,6 +84,7 @@ class Plan:
     batches: tuple[int, ...]  # conversations decoding as one batch
     bases: int  # distinct conversations the serving rows are drawn from
     batch_steps: int  # timed batched decode steps
+    scheduled_steps: int  # timed steps of the same rows through the app's scheduler
     prefill_tokens: int
     prefill_chunks: tuple[int, ...]
     max_rows: int  # the largest batch is searched up to this many rows
@@ -90,11 +95,11 @@ class Plan:
 
 PLANS = {
     "full": Plan(check_context=1024, check_steps=16, chunk=256, history=4096, decode_tokens=64, repeats=3,
-                 batches=(1, 16, 64), bases=16, batch_steps=16, prefill_tokens=16384, prefill_chunks=(2048,),
+                 batches=(1, 16, 64), bases=16, batch_steps=16, scheduled_steps=64, prefill_tokens=16384, prefill_chunks=(2048,),
                  max_rows=16384),
     # A memory limit of its own keeps the tiny run's largest batches small enough to run.
     "tiny": Plan(check_context=64, check_steps=4, chunk=32, history=96, decode_tokens=4, repeats=2,
-                 batches=(1, 4), bases=3, batch_steps=2, prefill_tokens=128, prefill_chunks=(32, 64),
+                 batches=(1, 4), bases=3, batch_steps=2, scheduled_steps=4, prefill_tokens=128, prefill_chunks=(32, 64),
                  max_rows=8, memory_mb=0.5, kernel_rows=4),
 }
 # Room kept free when projecting the largest batch: the allocator's fragmentation and
@@ -117,6 +122,9 @@ LARGEST_SEARCHED = 3
 TIMED_DRAW_ROWS = 64
 # Steps a serving run takes beside its timed ones: three to warm up, one profiled.
 STEP_ROOM = 4
+# Tokens the rows draw through the scheduler before its steps are timed: the first waits
+# for every row to arrive (``GATHER_S``), so all decode as one batch from it.
+SCHEDULED_WARM, GATHER_S = 3, 0.5
 # The check's parts, in the order they run; "largest" is the largest-batch search of
 # "serving", "loading" the load_model placements after every model.
 PARTS = ("checks", "decode", "serving", "largest", "prefill", "kernels", "loading")
@@ -282,18 +290,18 @@ def cache_configs(model, history: int, share: float) -> list[tuple[str, Callable
               for design, (storage, _) in QUANTIZED.items())]
 
 
-def unlike(model, make: Callable, plan: Plan, count: int, device: torch.device) -> Rows:
+def unlike(model, make: Callable, plan: Plan, count: int, device: torch.device, steps: int) -> Rows:
     """``count`` conversations as rows: ``plan.bases`` distinct ones read random histories
     of different lengths (up to ``plan.history``); the rows are copies of them in turn.
-    A full cache has room reserved for the steps it will take, as a server would give it
-    for its reply: grown during the run, its pool would reallocate, twice its memory."""
+    A full cache has room reserved for the ``steps`` it will take, as a server would give
+    it for its reply: grown during the run, its pool would reallocate, twice its memory."""
     bases = []
     for index in range(min(count, plan.bases)):
         length = plan.history - index * plan.history // (4 * plan.bases)
         cache = make()
         prefill(model, cache, random_ids(model, length, device, seed=100 + index), plan.chunk)
         cache.fit_for_decoding()
-        cache.reserve(STEP_ROOM + plan.batch_steps)
+        cache.reserve(steps)
         bases.append(cache)
     rows = Rows(model, count)
     for index in range(count):
@@ -333,7 +341,8 @@ def serve(model, name: str, make: Callable, search: bool, plan: Plan, device: to
     keeps it), what its steps cost into ``costs``, and its largest batch if ``search``."""
     conversation = step_bytes = 0
     for count in plan.batches:
-        rows = unlike(model, make, plan, count, device)
+        rows = unlike(model, make, plan, count, device,
+                      STEP_ROOM + plan.batch_steps + SCHEDULED_WARM + plan.scheduled_steps + 1)
         seconds, peak = rows.timed(plan.batch_steps, device)
         if count in (plan.batches[0], plan.batches[-1]):
             costs.append({"cache": name, "conversations": count} | profile_step(rows, device))
@@ -348,7 +357,9 @@ def serve(model, name: str, make: Callable, search: bool, plan: Plan, device: to
                       "kv_mb": sum(kv_numbers(c)[0] for c in caches) / MB,
                       "kv_held_mb": sum(kv_numbers(c)[1] for c in caches) / MB,
                       "step_mb_per_row": step_bytes / MB, "peak_mb": peak.peak / MB, "graphs": rows.graphs})
-        log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate ({rows.graphs})")
+        sweep[-1]["scheduled_tok_s"] = through_scheduler(model, rows, plan, device)
+        log(f"  serve {name} x {count}: {sweep[-1]['aggregate_tok_s']:.1f} tok/s aggregate ({rows.graphs}), "
+            f"through the scheduler {sweep[-1]['scheduled_tok_s'] or 0:.1f}")
         freed.watch(*caches)
         rows.close()
         del caches, rows
@@ -358,6 +369,24 @@ def serve(model, name: str, make: Callable, search: bool, plan: Plan, device: to
     largest = largest_batch(model, make, name, conversation, step_bytes, plan, device, freed)
     log(f"  largest batch {name}: {largest}")
     return largest
+
+
+def through_scheduler(model, rows: Rows, plan: Plan, device: torch.device) -> float | None:
+    """Aggregate tokens/s of ``rows`` decoding on through the app's scheduler on their step
+    (its pools and graphs), each row read by a thread as a turn reads its reply: the
+    step's rate less the scheduler's host work per row. Each row's turn then ends, and its
+    cache leaves the pool into buffers of its own, as a turn's end makes it: None (not
+    run) where the device has no room for those beside the pool."""
+    caches = rows.caches
+    if free_memory(device) * MEMORY_MARGIN < sum(kv_numbers(cache)[0] for cache in caches):
+        return None
+    tokens = SCHEDULED_WARM + plan.scheduled_steps + 1
+    sampling = Sampling(max_new_tokens=tokens, temperature=0, min_new_tokens=tokens)
+    generations = [Generation(cache, [0] * cache.get_seq_length() + [token], cache.get_seq_length(), sampling,
+                              chunk=plan.chunk, reply=[]) for cache, token in zip(caches, rows.tokens)]
+    scheduler = BatchScheduler(model, gather_s=GATHER_S, max_batch=len(caches), step=rows.step)
+    step_ms = scheduled.time_steps(scheduler, generations, SCHEDULED_WARM, SCHEDULED_WARM + plan.scheduled_steps)
+    return len(caches) * 1000 / step_ms
 
 
 def largest_batch(model, make: Callable, name: str, conversation: int, step_bytes: float, plan: Plan,
@@ -376,7 +405,7 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
     while sizes:
         count, rows = sizes.pop(), None
         try:
-            rows = unlike(model, make, plan, count, device)
+            rows = unlike(model, make, plan, count, device, STEP_ROOM + plan.batch_steps)
             seconds, _ = rows.timed(plan.batch_steps, device)
         except torch.OutOfMemoryError:
             fitted = False
@@ -580,6 +609,11 @@ def ratios(model: dict, share: float) -> list[str]:
         most = max(n for _, n in serving)
         lines.append(f"{most} conversations: " + ", ".join(f"{name} {rate:.0f} tok/s aggregate"
                                                          for (name, n), rate in serving.items() if n == most))
+        scheduled_rates = [(r["cache"], r["scheduled_tok_s"] / r["aggregate_tok_s"]) for r in model["serving"]
+                           if r["conversations"] == most and r.get("scheduled_tok_s") is not None]
+        if scheduled_rates:
+            lines.append(f"{most} conversations through the scheduler, a reader per row, against the step alone: "
+                         + ", ".join(f"{name} {share:.2f}x" for name, share in scheduled_rates))
     for design, (_, target) in QUANTIZED.items():
         quantized = f"{h2o} {design}"
         for count in sorted({n for _, n in serving}):
@@ -617,9 +651,10 @@ def markdown(result: dict) -> str:
             (["history", "cache", "decode tok/s", "vs full", "peak memory MiB", "KV MiB allocated", "KV MiB in use"],
              [[r["history"], r["cache"], r["decode_tok_s"], "–" if r.get("vs_full") is None else f"{r['vs_full']:.2f}×",
                r["peak_mb"], r["kv_allocated_mb"], r["kv_held_mb"]] for r in m["decode"]]),
-            (["conversations", "cache", "aggregate tok/s", "per row tok/s", "KV MiB allocated", "step MiB per row",
-              "steps"],
-             [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"], r["kv_mb"],
+            (["conversations", "cache", "aggregate tok/s", "per row tok/s", "through the scheduler tok/s",
+              "KV MiB allocated", "step MiB per row", "steps"],
+             [[r["conversations"], r["cache"], r["aggregate_tok_s"], r["per_row_tok_s"],
+               "not run (no room)" if r.get("scheduled_tok_s") is None else r["scheduled_tok_s"], r["kv_mb"],
                r["step_mb_per_row"], r["graphs"]] for r in m["serving"]]),
             (["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
              + (["kernels run", "launches", "GPU busy ms"] if cuda else []),

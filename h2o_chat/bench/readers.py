@@ -13,8 +13,6 @@ times the steps while every row draws its tokens 20 to 220.
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -24,7 +22,7 @@ from h2o_chat.generation import Generation
 from h2o_chat.sampling import Sampling
 from h2o_chat.scheduler import WAKE_MAX_S, WAKE_PER_ROW_S, BatchScheduler
 
-from . import gpu_models
+from . import gpu_models, scheduled
 from .report import md_table
 
 # Every row draws this many tokens; the steps in between these counts are timed.
@@ -47,32 +45,7 @@ def time_steps(model, rows: int, wake: tuple[float, float] | None) -> float:
                               torch.randint(0, vocab, (40 + row,), generator=generator).tolist(), 0,
                               Sampling(max_new_tokens=TOKENS, temperature=0, min_new_tokens=TOKENS),
                               chunk=256, reply=[]) for row in range(rows)]
-    streams = [scheduler.generate(generation) for generation in generations]
-    readers = [threading.Thread(target=_read, args=(stream,)) for stream in streams] if wake else []
-    for reader in readers:
-        reader.start()
-
-    def wait_for(count: int) -> None:
-        while not all(g.generated >= count or g.done.is_set() for g in generations):
-            time.sleep(0.002)
-
-    wait_for(TIMED_FROM)
-    steps, started = scheduler.steps, time.perf_counter()
-    wait_for(TIMED_TO)
-    elapsed, steps = time.perf_counter() - started, scheduler.steps - steps
-    for generation in generations:
-        generation.done.wait()
-    for reader in readers:
-        reader.join()
-    early = [g for g in generations if g.finish != "length"]
-    if early:
-        raise RuntimeError(f"a row ended early ({early[0].finish}): {early[0].error!r}")
-    return 1000 * elapsed / steps
-
-
-def _read(stream) -> None:
-    for _ in stream:
-        pass
+    return scheduled.time_steps(scheduler, generations, TIMED_FROM, TIMED_TO, read=wake is not None)
 
 
 def run(row_counts: list[int], rounds: int, log: Callable[[str], None]) -> dict:
