@@ -1,6 +1,8 @@
 """Batched decoding: conversations decoding together give what each gives alone."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -531,3 +533,24 @@ def test_a_reader_woken_for_several_tokens_at_once_streams_the_text_of_one_woken
         assert quiet_session.tokens == session.tokens and quiet_session.reply == session.reply
         assert quiet_session.finish_reason == session.finish_reason
         assert_consistent(quiet_session)
+
+
+def test_a_closed_scheduler_stops_its_rows_and_its_worker_lets_go_of_them(tiny_model):
+    """``close``: the generation running ends as stopped with what it drew, its cache
+    freed as soon as the caller drops it (the worker holds nothing of it), and one asked
+    for afterwards ends at once, never waiting for a worker."""
+    scheduler = BatchScheduler(tiny_model)
+    running = Generation(new_cache(tiny_model, ROWS[0]), prompts()[0][0].tolist(), 0,
+                         Sampling(max_new_tokens=10_000, temperature=0), chunk=64, reply=[])
+    stream = scheduler.generate(running)
+    assert next(stream) == 1
+    scheduler.close()
+    rest = list(stream)  # what was drawn before the stop, up to the whole reply
+    assert running.finish == "stopped" and 0 < len(running.reply) < 10_000
+    assert rest == sorted(set(rest)) and (rest or [1])[-1] == len(running.reply)
+    freed = weakref.ref(running.cache)
+    del running, stream
+    gc.collect()
+    assert freed() is None
+    late = Generation(new_cache(tiny_model, ROWS[1]), [1, 2, 3], 0, Sampling(max_new_tokens=4), chunk=64, reply=[])
+    assert list(scheduler.generate(late)) == [] and late.finish == "stopped" and late.reply == []
