@@ -40,14 +40,14 @@ PREFILL_PIECE = 64
 PROMPT_ROWS = 8
 # A reader of a generation's stream (a turn's thread) is woken at most once in this many
 # seconds per row of the pass that drew its token, up to WAKE_MAX_S (the longest it
-# waits while tokens come); tokens drawn meanwhile reach it with the next. Each wake-up
-# costs the worker about 10 us of the interpreter's lock, which it needs between its
-# kernels, so the readers then take a few per cent of its time at any row count. Woken
-# on every token, 128 rows of a tiny model (steps of 5-9 ms, as on a GPU) took 11.3 ms a
-# step, and 6.2-6.7 ms with this ("Readers" in docs/benchmarks.md). A step of the
-# embedded model on a CPU lasts longer than its rows' quiet time: there every token
-# still goes out on its own.
-WAKE_PER_ROW_S = 0.0003
+# waits while tokens come); tokens drawn meanwhile reach it with the next. A wake-up
+# takes the interpreter's lock from the worker, which it needs between its kernels: a
+# chat's reader, decoding and streaming its text, cost the worker 60-150 us a wake-up
+# with steps of 6-36 ms (16-128 rows of a tiny model with SmolLM2's tokenizer). At 1.5
+# ms a row the readers slowed those steps by 8-10%, at 0.3 ms by 23-34% and woken on
+# every token by 22-41% ("Readers" in docs/benchmarks.md). A text then comes at least
+# every 100 ms, and for a few rows about every token.
+WAKE_PER_ROW_S = 0.0015
 WAKE_MAX_S = 0.1
 
 

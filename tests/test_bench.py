@@ -338,12 +338,12 @@ def test_rolling_bench_scores_every_token_in_its_window(tiny_model, tmp_path):
     assert min(parse_args(["rolling", mode]).tokens for mode in ("--quick", "--full")) > 8192
 
 
-def test_the_readers_bench_times_every_way_for_every_row_count():
-    """Each way runs its rows to their length (a row ending early raises), and the table
-    has every row count and way, the floor at 1.00×."""
+def test_the_readers_bench_times_every_way_for_every_row_count(smollm):
+    """Each way runs its chats to their length (a reply ending early raises), and the
+    table has every row count and way, the floor at 1.00×."""
     from h2o_chat.bench import readers
 
-    result = readers.run([1, 3], rounds=1, log=lambda _: None)
+    result = readers.run(smollm[1], [1, 3], rounds=1, log=lambda _: None)
     assert [(r["rows"], r["way"]) for r in result["results"]] == [(n, way) for n in (1, 3) for way in readers.WAYS]
     assert all(r["step_ms"] > 0 and len(r["times"]) == 1 for r in result["results"])
     table = readers.markdown(result)

@@ -328,7 +328,7 @@ TABLE: dict[str, Comparison] = {
         b.args.step_rounds, steps=4, policies=_labels(b.args.step_policies), log=log)), lambda b, result: [
         ("step", "The decode step's cost as conversations are added", step.markdown(result))]),
     "readers": Comparison("readers", lambda b: ("readers", readers.run(
-        parse_counts(b.args.reader_rows), b.args.step_rounds, log=log)), lambda b, result: [
+        b.tokenizer, parse_counts(b.args.reader_rows), b.args.step_rounds, log=log)), lambda b, result: [
         ("readers", "What the threads reading the replies cost the scheduler's worker", readers.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",

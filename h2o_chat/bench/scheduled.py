@@ -5,8 +5,10 @@ its reader)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections.abc import Callable
 
 from h2o_chat.generation import Generation
 from h2o_chat.scheduler import BatchScheduler
@@ -27,16 +29,9 @@ def time_steps(scheduler: BatchScheduler, generations: list[Generation], timed_f
     readers = [threading.Thread(target=_read, args=(stream,)) for stream in streams] if read else []
     for reader in readers:
         reader.start()
-
-    def wait_for(count: int) -> None:
-        while not all(g.generated >= count or g.done.is_set() for g in generations):
-            time.sleep(POLL_S)
-
     try:
-        wait_for(timed_from)
-        steps, started = scheduler.steps, time.perf_counter()
-        wait_for(timed_to)
-        elapsed, steps = time.perf_counter() - started, scheduler.steps - steps
+        step_ms = step_ms_between(scheduler, lambda: [math.inf if g.done.is_set() else g.generated
+                                                      for g in generations], timed_from, timed_to)
         for generation in generations:
             generation.done.wait()
     finally:
@@ -46,7 +41,21 @@ def time_steps(scheduler: BatchScheduler, generations: list[Generation], timed_f
     early = [g for g in generations if g.finish != "length"]
     if early:
         raise RuntimeError(f"a row ended early ({early[0].finish}): {early[0].error!r}")
-    return 1000 * elapsed / max(steps, 1)
+    return step_ms
+
+
+def step_ms_between(scheduler: BatchScheduler, counts: Callable[[], list[float]], timed_from: int,
+                    timed_to: int) -> float:
+    """Milliseconds a step of ``scheduler`` while every one of ``counts()`` (the tokens
+    each row has drawn) goes from ``timed_from`` to ``timed_to``."""
+    def wait_for(count: int) -> None:
+        while min(counts()) < count:
+            time.sleep(POLL_S)
+
+    wait_for(timed_from)
+    steps, started = scheduler.steps, time.perf_counter()
+    wait_for(timed_to)
+    return 1000 * (time.perf_counter() - started) / max(scheduler.steps - steps, 1)
 
 
 def _read(stream) -> None:
