@@ -54,18 +54,7 @@ def time_steps(model, tokenizer, rows: int, wake: tuple[float, float]) -> float:
             pass
 
     turns = [threading.Thread(target=chat, args=(index,)) for index in range(rows)]
-    for turn in turns:
-        turn.start()
-    try:
-        step_ms = scheduled.step_ms_between(
-            scheduler, lambda: [len(s.reply) if t.is_alive() else TOKENS for s, t in zip(sessions, turns)],
-            TIMED_FROM, TIMED_TO)
-        for turn in turns:
-            turn.join()
-    finally:
-        scheduler.close()
-        for turn in turns:
-            turn.join()
+    step_ms = scheduled.time_turns(scheduler, turns, lambda: [len(s.reply) for s in sessions], TIMED_FROM, TIMED_TO)
     early = [s for s in sessions if s.finish_reason != "length"]
     if early:
         raise RuntimeError(f"a reply ended early ({early[0].finish_reason})")
