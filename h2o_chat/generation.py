@@ -77,15 +77,15 @@ class Generation:
         """Where the chunk being fed ends: the cache evicts only there. A chunk ends where a
         turn begins, too, so a turn-aware cache can close the turn before it there."""
         end = min(self.chunk_start + self.chunk, len(self.tokens))
+        if end - self.chunk_start == 1:  # no turn begins inside one token (asked of every row, every step)
+            return end
         turn = self.cache.turn_start_after(self.chunk_start)
         return end if turn is None else min(end, turn)
 
     @property
     def is_decode(self) -> bool:
         """Its next pass feeds one token and ends a chunk: a row of a batched step."""
-        # The last unfed token is a chunk of its own wherever turns begin: asked of every
-        # row at every step, that answer skips looking turns up.
-        return len(self.tokens) - self.chunk_start == 1 or self.chunk_end - self.chunk_start == 1
+        return self.chunk_end - self.chunk_start == 1
 
     @property
     def stopping(self) -> bool:
@@ -96,7 +96,7 @@ class Generation:
         its last's. At a chunk's end the observer sees it; after the last unfed token the
         runner must draw the next (returned: what to draw; ``take`` it), else None."""
         self.fed = end
-        if end < len(self.tokens) and end < self.chunk_end:  # a chunk ends at the last token
+        if end < self.chunk_end:
             return None
         if self.observer is not None:
             self.observer(self.tokens, self.chunk_start, end, logits[row])

@@ -122,9 +122,8 @@ LARGEST_SEARCHED = 3
 TIMED_DRAW_ROWS = 64
 # Steps a serving run takes beside its timed ones: three to warm up, one profiled.
 STEP_ROOM = 4
-# Tokens the rows draw through the scheduler before its steps are timed: the first waits
-# for every row to arrive (``GATHER_S``), so all decode as one batch from it.
-SCHEDULED_WARM, GATHER_S = 3, 0.5
+# Tokens the rows draw through the scheduler before its steps are timed.
+SCHEDULED_WARM = 3
 # The check's parts, in the order they run; "largest" is the largest-batch search of
 # "serving", "loading" the load_model placements after every model.
 PARTS = ("checks", "decode", "serving", "largest", "prefill", "kernels", "loading")
@@ -384,7 +383,7 @@ def through_scheduler(model, rows: Rows, plan: Plan, device: torch.device) -> fl
     sampling = Sampling(max_new_tokens=tokens, temperature=0, min_new_tokens=tokens)
     generations = [Generation(cache, [0] * cache.get_seq_length() + [token], cache.get_seq_length(), sampling,
                               chunk=plan.chunk, reply=[]) for cache, token in zip(caches, rows.tokens)]
-    scheduler = BatchScheduler(model, gather_s=GATHER_S, max_batch=len(caches), step=rows.step)
+    scheduler = BatchScheduler(model, gather_s=scheduled.GATHER_S, max_batch=len(caches), step=rows.step)
     step_ms = scheduled.time_steps(scheduler, generations, SCHEDULED_WARM, SCHEDULED_WARM + plan.scheduled_steps)
     return len(caches) * 1000 / step_ms
 

@@ -37,14 +37,11 @@ WAYS: dict[str, tuple[float, float]] = {
     "0.3 ms a row, 100 ms at most": (0.0003, 0.1),
     "woken as the app does": (WAKE_PER_ROW_S, WAKE_MAX_S),
 }
-# Turns started together wait this long for each other, so every row decodes in one
-# batch from its first token.
-GATHER_S = 1.0
 
 
 def time_steps(model, tokenizer, rows: int, wake: tuple[float, float]) -> float:
     """Milliseconds a step while ``rows`` chats decode, their readers woken as ``wake`` says."""
-    scheduler = BatchScheduler(model, gather_s=GATHER_S, max_batch=rows, wake_per_row_s=wake[0], wake_max_s=wake[1])
+    scheduler = BatchScheduler(model, gather_s=scheduled.GATHER_S, max_batch=rows, wake_per_row_s=wake[0], wake_max_s=wake[1])
     sessions = [ChatSession(model, tokenizer, cache=make_cache(model, "h2o", heavy=30, recent=30, sink=4),
                             runner=scheduler) for _ in range(rows)]
 

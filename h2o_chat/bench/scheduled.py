@@ -15,6 +15,9 @@ from h2o_chat.scheduler import BatchScheduler
 # How often the timing thread looks at the rows' counts: short beside the tens of steps
 # timed, and long enough not to compete for the interpreter with the worker.
 POLL_S = 0.002
+# Rows started together wait this long for each other (``BatchScheduler.gather_s``), so
+# all decode in one batch from their first step.
+GATHER_S = 1.0
 
 
 def time_steps(scheduler: BatchScheduler, generations: list[Generation], timed_from: int, timed_to: int) -> float:
