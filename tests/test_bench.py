@@ -347,4 +347,8 @@ def test_the_readers_bench_times_every_way_for_every_row_count(smollm):
     assert [(r["rows"], r["way"]) for r in result["results"]] == [(n, way) for n in (1, 3) for way in readers.WAYS]
     assert all(r["step_ms"] > 0 and len(r["times"]) == 1 for r in result["results"])
     table = readers.markdown(result)
-    assert table.count("| 1.00× |") == 2 and "woken as the app does" in table
+    floor = next(iter(readers.WAYS))
+    # Only the floor's own lines are sure to read 1.00×: another way may time the same.
+    floor_lines = [line for line in table.splitlines() if f"| {floor} |" in line]
+    assert len(floor_lines) == 2 and all(line.endswith("| 1.00× |") for line in floor_lines)
+    assert all(f"| {n} | woken as the app does |" in table for n in (1, 3))
