@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from .budget import ByteBudget, token_bytes, window_bytes
 from .layer import H2OLayer
-from .memory import return_freed_memory
+from .memory import freed
 from .policies import EvictionPolicy
 from .quant import KVStorage
 from .rope import RopeShifter
@@ -115,8 +115,9 @@ class H2OCache(CacheStateMixin, Cache):
             size = held + DECODE_ROOM if capacity is None else max(capacity + layers[0].pinned_slots, held) + 1
             if layers[0].size != size:
                 self.leave_step()
+                before = group.nbytes
                 group.resize(size)
-                return_freed_memory()  # else glibc keeps the larger buffers just freed
+                freed(before)  # else glibc keeps the larger buffers just freed
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more tokens in a cache that never evicts, so it does not move

@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention import awaiting_attention, hand_over, scored_attention, sdpa_attention, slot_mask
+from .memory import tensor_bytes
 from .policies import EvictionPolicy
 from .quant import KVStorage
 from .rope import RopeShifter
@@ -360,7 +361,7 @@ class H2OLayer(CacheLayerMixin):
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer this layer holds, including room reserved for new tokens."""
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        return tensor_bytes(self._buffers.values())
 
     def restore(self, slots: dict[str, torch.Tensor], size: int, seen: int, has_padding: bool,
                 device: torch.device | str) -> None:

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from .cache import H2OCache
-from .memory import return_freed_memory
+from .memory import freed, tensor_bytes
 from .slots import SlotGroup
 from .window import length
 
@@ -59,10 +59,14 @@ class RowPool:
         # CUDA graph of the decode step) is stale then.
         self.generation = 0
         self._members: list[weakref.ref[H2OCache]] = []  # by row
+        # Each member's row, so rows coming and going cost the same at any pool size.
+        self._row_of: weakref.WeakKeyDictionary[H2OCache, int] = weakref.WeakKeyDictionary()
         # Bytes of the buffers no member's slots take (spare rows, each row's slots past
-        # its member's), recounted whenever rows or buffers change; the members' own are
-        # theirs to count (``H2OCache.allocated_bytes``).
+        # its member's), kept as rows or buffers change from the bytes each row shows its
+        # member; the members' own are theirs to count (``H2OCache.allocated_bytes``).
         self.spare_bytes = 0
+        self._buffer_bytes = 0
+        self._shown: list[int] = []  # by row: the bytes of the views its member sees
 
     def __len__(self) -> int:
         return len(self._members)
@@ -83,9 +87,8 @@ class RowPool:
 
     def holds(self, cache: H2OCache) -> bool:
         """Whether ``cache`` lies in this pool's buffers (a member that has not moved out)."""
-        group = cache.whole_group()
-        return bool(self.buffers) and group is not None and \
-            group.buffers["keys"].untyped_storage().data_ptr() == self.buffers["keys"].untyped_storage().data_ptr()
+        row = self._row_of.get(cache)
+        return row is not None and self._holds(cache, row)
 
     def join(self, caches: list[H2OCache], rows: int) -> list[int]:
         """Each cache's row, the caches joining where they are not members yet, with room
@@ -97,25 +100,32 @@ class RowPool:
             self.release(member)
         groups = [cache.stacked() for cache in caches]
         self._reserve(rows, max(_size(group) for group in groups), groups[0])
-        return [self.admit(cache, rows) for cache in caches]
+        return [self.admit(cache, rows, group) for cache, group in zip(caches, groups)]
 
-    def admit(self, cache: H2OCache, rows: int) -> int:
+    def admit(self, cache: H2OCache, rows: int, group: SlotGroup | None = None) -> int:
         """``cache``'s row, joining now if it is no member yet, in buffers with room for
         ``rows`` rows: a batch filled one conversation at a time holds each one's own
-        buffers only until it joins, never all of them beside the pool."""
-        for row, member in enumerate(self._members):
-            if member() is cache:
+        buffers only until it joins, never all of them beside the pool. ``group``: its
+        ``stacked()``, where the caller has it."""
+        row = self._row_of.get(cache)
+        if row is not None:
+            if self._holds(cache, row):
                 return row
-        group = cache.stacked()
+            self._drop_row(row)  # it left on its own since: it joins anew
+        group = group or cache.stacked()
+        own = group.nbytes
         self._reserve(max(rows, len(self._members) + 1), _size(group), group)
+        row = len(self._members)
         self._members.append(weakref.ref(cache))
-        self._point(len(self._members) - 1, _size(group))
+        self._shown.append(0)
+        self._row_of[cache] = row
+        self._point(row, _size(group))
         # Its own buffers are free now. glibc would keep them (32 caches joining left the
-        # pool's whole size of freed buffers in the process); handed back one by one, the
-        # join never holds the pool and all of them at once.
-        return_freed_memory()
+        # pool's whole size of freed buffers in the process); handed back as they add up,
+        # the join never holds the pool and all of them at once.
+        freed(own)
         self._recount()
-        return len(self._members) - 1
+        return row
 
     def give_room(self, row: int, slots: int) -> None:
         """Let the member of ``row`` hold ``slots`` slots, growing the pool if it must
@@ -131,18 +141,18 @@ class RowPool:
     def release(self, cache: H2OCache) -> None:
         """``cache`` leaves, into buffers of its own holding what its row holds. A cache
         that is no member is left as it is."""
-        self._forget_departed()
-        for row, member in enumerate(self._members):
-            if member() is cache:
-                group = cache.whole_group()
-                if cache.policy.capacity is None and len(group) > 1:
-                    cache.unstack()  # a group per layer again, each copied out of the row
-                else:
-                    group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
-                self._drop_row(row)
-                self._shrink()
-                self._recount()
-                return
+        row = self._row_of.get(cache)
+        if row is None:
+            return
+        if self._holds(cache, row):
+            group = cache.whole_group()
+            if cache.policy.capacity is None and len(group) > 1:
+                cache.unstack()  # a group per layer again, each copied out of the row
+            else:
+                group.relocate({name: torch.empty_like(t) for name, t in group.buffers.items()})
+        self._drop_row(row)  # else it left on its own: its row is simply free
+        self._shrink()
+        self._recount()
 
     def _reserve(self, rows: int, size: int, like: SlotGroup) -> None:
         """Room for ``rows`` rows of ``size`` slots of buffers like ``like``'s."""
@@ -157,6 +167,7 @@ class RowPool:
         self.buffers = {name: t.new_zeros((t.shape[1], rows, t.shape[2], length(name, t.shape[3], size),
                                            *t.shape[4:]))
                         for name, t in like.buffers.items()}
+        self._buffer_bytes = tensor_bytes(self.buffers.values())
         self.generation += 1
         for row, member in enumerate(self._members):
             self._point(row, _size(member().whole_group()))
@@ -164,22 +175,46 @@ class RowPool:
     def _point(self, row: int, size: int) -> None:
         """Move the member of ``row`` (its group's content, ``size`` slots of it) into that row."""
         group = self._members[row]().whole_group()
-        group.relocate({name: t[:, row : row + 1, :, : length(name, None, size)].transpose(0, 1)
-                        for name, t in self.buffers.items()})
+        views = {name: t[:, row : row + 1, :, : length(name, None, size)].transpose(0, 1)
+                 for name, t in self.buffers.items()}
+        group.relocate(views)
+        self._shown[row] = tensor_bytes(views.values())
 
     def _drop_row(self, row: int) -> None:
-        """Free ``row`` (its member gone or moved out); the last member moves into it."""
+        """Free ``row`` (its member gone or moved out); the last member moves into it,
+        once the last rows of members gone or moved out are freed (a mover must lie in
+        its row)."""
+        self._forget(row)
+        while len(self._members) - 1 > row and not self._lies_in_row(len(self._members) - 1):
+            self._forget(len(self._members) - 1)
+            self._members.pop()
+            self._shown.pop()
         last = len(self._members) - 1
-        self._members[row] = self._members[last]
+        self._members[row], self._shown[row] = self._members[last], self._shown[last]
         self._members.pop()
+        self._shown.pop()
         if row != last:
-            self._point(row, _size(self._members[row]().whole_group()))
+            mover = self._members[row]()
+            self._row_of[mover] = row
+            self._point(row, _size(mover.whole_group()))
+
+    def _forget(self, row: int) -> None:
+        """``row``'s member is no member any more (its row still to be freed)."""
+        member = self._members[row]()
+        if member is not None and self._row_of.get(member) == row:
+            del self._row_of[member]
+        self._shown[row] = 0
+
+    def _lies_in_row(self, row: int) -> bool:
+        member = self._members[row]()
+        return member is not None and self._holds(member, row)
 
     def _shrink(self) -> None:
         """Let go of spare rows once most are unused; of all buffers once none is used.
         Only after every member left is known: a resize moves every member."""
         if not self._members:
             self.buffers = {}  # an idle pool holds no memory
+            self._buffer_bytes = 0
             self.generation += 1
         elif len(self._members) <= self.room // 4:
             self._resize(self.room // 2, self.size, self._members[0]().whole_group())
@@ -189,24 +224,21 @@ class RowPool:
         reallocated, was reset or dissolved). From the last row, so a row's mover is always
         a checked member."""
         for row in reversed(range(len(self._members))):
-            cache = self._members[row]()
-            if cache is None or not self._holds(cache, row):
+            if not self._lies_in_row(row):
                 self._drop_row(row)
         self._shrink()
         self._recount()
 
     def _recount(self) -> None:
-        """``spare_bytes`` from the buffers' and the members' views' shapes (no tensor
-        operation: a step's cost must not grow with its rows)."""
-        spare = sum(t.numel() * t.element_size() for t in self.buffers.values())
-        for member in self._members:
-            cache = member()
-            group = None if cache is None else cache.whole_group()
-            if group is not None:
-                spare -= sum(t.numel() * t.element_size() for t in group.buffers.values())
-        self.spare_bytes = spare
+        """``spare_bytes`` from the numbers kept (no tensor operation: a step's cost must
+        not grow with its rows)."""
+        self.spare_bytes = self._buffer_bytes - sum(self._shown)
 
     def _holds(self, cache: H2OCache, row: int) -> bool:
+        """Whether ``cache``'s slots lie in ``row``: every buffer of a group moves at once
+        (``SlotGroup.relocate``), so its keys tell."""
         group = cache.whole_group()
-        return (group is not None and group.buffers.keys() == self.buffers.keys()
-                and all(group.buffers[name].data_ptr() == t[0, row].data_ptr() for name, t in self.buffers.items()))
+        if group is None or "keys" not in self.buffers:
+            return False
+        keys = self.buffers["keys"]
+        return group.buffers["keys"].data_ptr() == keys.data_ptr() + row * keys.stride(1) * keys.element_size()

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from .memory import tensor_bytes
 from .rope import RopeShifter
 from .selection import kept_slots, lowest_slot, middle_slots, ranking_key
 from .window import is_window, length, slot_buffers
@@ -179,6 +180,11 @@ class SlotGroup:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (of views into a pool: what they show)."""
+        return tensor_bytes(self.buffers.values())
 
     def __deepcopy__(self, memo: dict) -> SlotGroup:
         # copy.deepcopy would keep the weak references pointing at the original layers.
