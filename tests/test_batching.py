@@ -109,6 +109,68 @@ def test_rows_join_and_leave_between_steps(tiny_model):
         assert (tokens[row], kept(caches[row])) == decode_alone(tiny_model, ROWS[row], prompts()[row], steps)
 
 
+# Rows coming and going: (row of CHURN, first step, steps), several starting and ending
+# at one step, in pools of three layouts (float slots, K8/V4 slots, a full cache's).
+CHURN = ROWS + [dict(policy="h2o", heavy=8, recent=4, sink=2, prompt=21, pin=None, key_bits=8, value_bits=4),
+                dict(policy="turns", heavy=6, recent=4, sink=1, prompt=36, pin=(2, 5), turns=(20,))]
+COMINGS = [(0, 0, 14), (1, 0, 6), (2, 2, 9), (3, 3, 3), (4, 3, 11), (5, 6, 8), (0, 6, 5), (2, 11, 4)]
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_rows_coming_and_going_at_many_steps_each_decode_as_alone(tiny_model, pad):
+    """Rows join and leave at most steps, several at once, as turns start and end on a
+    server: the rows going on are carried from step to step, and each row still gives
+    the tokens and keeps the slots it does alone."""
+    generator = torch.Generator().manual_seed(7)
+    prompt = [torch.randint(0, 128, (1, CHURN[row]["prompt"]), generator=generator) for row, _, _ in COMINGS]
+    caches = [new_cache(tiny_model, CHURN[row]) for row, _, _ in COMINGS]
+    step, last, tokens = DecodeStep(pad=pad), {}, [[] for _ in COMINGS]
+    with torch.inference_mode():
+        for at in range(20):
+            for index, (_, start, steps) in enumerate(COMINGS):
+                if at == start:
+                    last[index] = read_prompt(tiny_model, caches[index], prompt[index])
+                    caches[index].fit_for_decoding()
+                if at == start + steps:  # its turn ends: its cache leaves the step
+                    del last[index]
+                    step.release(caches[index])
+            if not last:
+                continue
+            rows = sorted(last)
+            for index in rows:
+                tokens[index].append(int(last[index].argmax()))
+            last = dict(zip(rows, step(tiny_model, [caches[i] for i in rows], [tokens[i][-1] for i in rows])))
+    assert not last and all(len(pool) == 0 for pool in step.pools)
+    for index, (row, _, steps) in enumerate(COMINGS):
+        assert (tokens[index], kept(caches[index])) == decode_alone(tiny_model, CHURN[row], prompt[index], steps), index
+
+
+def test_a_row_joining_plans_itself_alone(tiny_model, monkeypatch):
+    """Sixteen rows decode; one leaves and another joins: the next step plans the one
+    that joined from its cache, and the fifteen going on from their last plans."""
+    from h2o_chat.engine import batch
+
+    row = dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=30, pin=None)
+    generator = torch.Generator().manual_seed(9)
+    caches = [new_cache(tiny_model, row) for _ in range(17)]
+    step = DecodeStep()
+    with torch.inference_mode():
+        for cache in caches:
+            forward_one(tiny_model, cache, torch.randint(0, 128, (1, row["prompt"]), generator=generator))
+            cache.fit_for_decoding()
+        for _ in range(3):
+            step(tiny_model, caches[:16], [5] * 16)
+        planned = []
+        plan_row = batch.plan_row
+        monkeypatch.setattr(batch, "plan_row", lambda cache, token: planned.append(cache) or plan_row(cache, token))
+        step.release(caches[3])
+        rows = caches[:3] + caches[4:]
+        step(tiny_model, rows, [5] * 16)
+        assert planned == [caches[16]]
+        step(tiny_model, rows, [5] * 16)
+        assert planned == [caches[16]]
+
+
 # Bounded rows that can share a pool: budgets, buffer sizes, pins and policies differ.
 POOLED = [ROWS[0], ROWS[2], dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=None)]
 

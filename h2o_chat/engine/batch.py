@@ -70,42 +70,88 @@ def plan_row(cache: H2OCache, token: int) -> list[int]:
 
 
 class StepBatch:
-    """The rows of ``segments``, ``caches`` in the callers' order (see the module docstring)."""
+    """The rows of ``segments``, ``caches`` in the callers' order (see the module docstring).
+    ``previous``: the last step's batch, whose rows still decoding carry on from where it
+    left them (their counters and plans, no cache read); its others are let go."""
 
-    def __init__(self, segments: list[Segment], caches: list[H2OCache]) -> None:
+    def __init__(self, segments: list[Segment], caches: list[H2OCache], previous: StepBatch | None = None) -> None:
         self.segments, self.ids = segments, tuple(map(id, caches))
         rows = sum(seg.rows for seg in segments)
         self.members: list[tuple[H2OCache, Segment, int] | None] = [None] * rows  # by batch row
         for seg in segments:
             for index, cache in enumerate(seg.caches):
                 self.members[seg.offset + index] = (cache, seg, index)
-        at = {id(member[0]): row for row, member in enumerate(self.members) if member is not None}
-        self.order = np.array([at[id(cache)] for cache in caches])
+        self._row_of = {id(member[0]): row for row, member in enumerate(self.members) if member is not None}
+        self.order = np.array([self._row_of[id(cache)] for cache in caches])
         self._in_order = len(caches) == rows and bool((self.order == np.arange(rows)).all())
         self._device_order: torch.Tensor | None = None
         self.real = np.array([member is not None for member in self.members])
+        self.live_rows = len(self._row_of)
         self.seen, self.held = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         # What arithmetic planning needs of each row, fixed while the batch lasts.
         never = np.iinfo(np.int64).max
         self.capacity, self.pinned = np.full(rows, never, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         self.rolling, self.size = np.zeros(rows, dtype=bool), np.zeros(rows, dtype=np.int64)
         self.spans_end = np.zeros(rows, dtype=np.int64)  # where the last pinned span ends
-        for row, member in enumerate(self.members):
-            if member is None:
-                continue
-            cache = member[0]
-            layer = cache.layers[0]
-            self.seen[row], self.held[row] = layer.seen, layer.held
-            self.pinned[row] = layer.pinned_slots
-            if cache.policy.capacity is not None:
-                self.capacity[row] = cache.policy.capacity
-            self.rolling[row], self.size[row] = cache.rolling, layer.size
-            self.spans_end[row] = max((end for _, end in cache.spans.ranges), default=0)
-            live = LiveCounts(self.seen, self.held, row, functools.partial(self._leave, row))
-            for each in cache.layers:
-                each.live = live
-        self.plan: np.ndarray | None = None
+        # The last plan of every row: rows carried on keep theirs, the others are planned
+        # from their caches (``fresh``); padding rows are ranked as their segment's rows.
+        self.fresh = self.real.copy()
+        self.plan: np.ndarray | None = self._carry(previous)
+        for row in np.flatnonzero(self.fresh):
+            self._read_row(row)
+        if previous is not None:
+            previous.let_go()
         self.stale = False  # some row left: the next step builds a batch anew
+
+    def _carry(self, previous: StepBatch | None) -> np.ndarray | None:
+        """Take over ``previous``'s rows that are rows here too: the last plan of every
+        row (None where none was carried)."""
+        if previous is None or previous.plan is None:
+            return None
+        pairs = [(row, old) for row, member in enumerate(self.members)
+                 if member is not None and (old := previous.row_of(member[0])) is not None]
+        if not pairs:
+            return None
+        new, old = (np.array(side) for side in zip(*pairs))
+        for name in ("seen", "held", "capacity", "pinned", "rolling", "size", "spans_end"):
+            getattr(self, name)[new] = getattr(previous, name)[old]
+        plan = np.zeros((len(self.members), FIELDS), dtype=np.int64)
+        for seg in self.segments:
+            plan[seg.offset : seg.offset + seg.rows, RANKING] = min(seg.rankings)
+        plan[new] = previous.plan[old]
+        self.fresh[new] = False
+        for row, before in pairs:
+            live = self.members[row][0].layers[0].live
+            live.seen, live.held, live.row, live.leave = self.seen, self.held, row, functools.partial(self._leave, row)
+            previous.hand_over(before)
+        return plan
+
+    def _read_row(self, row: int) -> None:
+        """Row ``row``'s counters and fixed values from its cache, whose layers' counters
+        then live in this batch's arrays."""
+        cache = self.members[row][0]
+        layer = cache.layers[0]
+        self.seen[row], self.held[row] = layer.seen, layer.held
+        self.pinned[row] = layer.pinned_slots
+        if cache.policy.capacity is not None:
+            self.capacity[row] = cache.policy.capacity
+        self.rolling[row], self.size[row] = cache.rolling, layer.size
+        self.spans_end[row] = max((end for _, end in cache.spans.ranges), default=0)
+        live = LiveCounts(self.seen, self.held, row, functools.partial(self._leave, row))
+        for each in cache.layers:
+            each.live = live
+
+    def row_of(self, cache: H2OCache) -> int | None:
+        """``cache``'s batch row, where it is still one."""
+        row = self._row_of.get(id(cache))
+        return row if row is not None and self.members[row] is not None and self.members[row][0] is cache else None
+
+    def hand_over(self, row: int) -> None:
+        """Row ``row`` goes on in another batch, its counters with it."""
+        self.members[row] = None
+        self.real[row] = False
+        self.live_rows -= 1
+        self.stale = True
 
     def serves(self, caches: list[H2OCache]) -> bool:
         """Whether the next step of ``caches`` can go on from this batch."""
@@ -128,7 +174,8 @@ class StepBatch:
             plan[real, EVICTS] = (held + 1 - self.pinned > self.capacity)[real]
             sink_full = last[:, START] <= last[:, POSITION]
             clear = (self.spans_end <= last[:, END] + 1) & (last[:, END] > 0)
-            slow = real & ~(sink_full & clear & (held + 1 <= self.size))
+            slow = real & (self.fresh | ~(sink_full & clear & (held + 1 <= self.size)))
+        self.fresh[:] = False
         plan[self.order, TOKEN] = tokens
         for row in np.flatnonzero(slow):
             cache, seg, index = self.members[row]
@@ -154,9 +201,11 @@ class StepBatch:
 
     def let_go(self, cache: H2OCache | None = None) -> None:
         """Hand the counters back to ``cache``'s layers (None: every row's)."""
-        for row, member in enumerate(self.members):
-            if member is not None and (cache is None or member[0] is cache):
+        if cache is None:
+            for row in np.flatnonzero(self.real):
                 self._leave(row)
+        elif (row := self.row_of(cache)) is not None:
+            self._leave(row)
 
     def _leave(self, row: int) -> None:
         member = self.members[row]
@@ -164,9 +213,7 @@ class StepBatch:
             return
         cache = member[0]
         seen, held = int(self.seen[row]), int(self.held[row])
+        self.hand_over(row)  # its counters are the layers' again
         for layer in cache.layers:
             layer.live = None
             layer.seen, layer.held = seen, held
-        self.members[row] = None  # its counters are the layers' again
-        self.real[row] = False
-        self.stale = True

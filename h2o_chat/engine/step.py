@@ -91,9 +91,9 @@ class DecodeStep:
         position; the logits ``(rows, vocab)`` of each, in the callers' order."""
         batch = self._batch
         if batch is None or not batch.serves(caches):
-            if batch is not None:
-                batch.let_go()
-            batch = self._batch = StepBatch(self._segments(model, caches), caches)
+            # The rows still decoding carry on from the last batch: rows coming and going
+            # cost a step about what the rows that come and go cost.
+            batch = self._batch = StepBatch(self._segments(model, caches, batch), caches, batch)
         plan = batch.next_plan(tokens)
         logits = self._launch(model, batch.segments, torch.from_numpy(plan))
         batch.settle(plan)
@@ -111,11 +111,14 @@ class DecodeStep:
             self._rows[cache] = (signature, pool)
 
     def partition(self, caches: list) -> tuple[list[int], list[int]]:
-        """The indices of ``caches`` the step can take as rows, and of the others."""
+        """The indices of ``caches`` the step can take as rows, and of the others. A row
+        of the last step still is one: what would stop it (eviction held, pins) lets go
+        of its row first."""
         batch = self._batch
         if batch is not None and batch.serves(caches):
             return list(range(len(caches))), []
-        reasons = [why_not_stepped(cache) for cache in caches]
+        reasons = [None if batch is not None and batch.row_of(cache) is not None else why_not_stepped(cache)
+                   for cache in caches]
         return [i for i, why in enumerate(reasons) if why is None], [i for i, why in enumerate(reasons) if why]
 
     @torch.inference_mode()  # the pools' buffers are inference tensors
@@ -124,7 +127,7 @@ class DecodeStep:
         captured over a pool that empties go with it (an idle server holds no step)."""
         if self._batch is not None:
             self._batch.let_go(cache)
-            if not any(self._batch.members):  # its last row: nothing to go on from
+            if not self._batch.live_rows:  # its last row: nothing to go on from
                 self._batch = None  # nor to keep the ended rows' caches alive
         found = self._rows.pop(cache, None)
         if found is None:
@@ -156,7 +159,9 @@ class DecodeStep:
 
     # ---- 1. the host plans ---------------------------------------------------------------
 
-    def _segments(self, model, caches: list[H2OCache]) -> list[Segment]:
+    def _segments(self, model, caches: list[H2OCache], previous: StepBatch | None) -> list[Segment]:
+        """The pools' segments of a step of ``caches``; those that are rows of ``previous``
+        (at their budget, with room for the next token) go on as they are."""
         by_pool: dict[tuple, list[H2OCache]] = {}
         for cache in caches:
             signature = self._signature(cache)
@@ -168,6 +173,8 @@ class DecodeStep:
             at = pool.join(members, rows)
             ordered = [cache for _, cache in sorted(zip(at, members), key=lambda pair: pair[0])]
             for row, cache in enumerate(ordered):
+                if previous is not None and previous.row_of(cache) is not None:
+                    continue
                 self._rows[cache] = (signature, pool)
                 cache.evict_to_budget()
                 pool.give_room(row, cache.layers[0].held + 1)
