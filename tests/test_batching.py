@@ -171,6 +171,37 @@ def test_a_row_joining_plans_itself_alone(tiny_model, monkeypatch):
         assert planned == [caches[16]]
 
 
+def test_a_row_joining_and_one_leaving_look_at_those_two_only(tiny_model, monkeypatch):
+    """The step after one row leaves and another joins asks the caches as many questions
+    (their slot groups, whether they still lie in their rows) with 32 rows going on as
+    with 4: the rows going on are not looked at again (at 512 rows, looking cost a pass
+    with one row coming and one going more than the pass itself)."""
+    from h2o_chat.engine.cache import H2OCache
+
+    row = dict(policy="h2o", heavy=6, recent=6, sink=2, prompt=30, pin=None)
+    asked = []
+    for method in ("whole_group", "stacked"):
+        asked_of = getattr(H2OCache, method)
+        monkeypatch.setattr(H2OCache, method, lambda self, asked_of=asked_of: asked.append(self) or asked_of(self))
+
+    def questions(rows: int) -> int:
+        generator = torch.Generator().manual_seed(11)
+        caches = [new_cache(tiny_model, row) for _ in range(rows + 1)]
+        step = DecodeStep()
+        with torch.inference_mode():
+            for cache in caches:
+                forward_one(tiny_model, cache, torch.randint(0, 128, (1, row["prompt"]), generator=generator))
+                cache.fit_for_decoding()
+            for _ in range(2):
+                step(tiny_model, caches[:rows], [5] * rows)
+            step.release(caches[1])
+            asked.clear()
+            step(tiny_model, [caches[0], *caches[2:]], [5] * rows)
+        return len(asked)
+
+    assert questions(32) == questions(4)
+
+
 # Bounded rows that can share a pool: budgets, buffer sizes, pins and policies differ.
 POOLED = [ROWS[0], ROWS[2], dict(policy="h2o", heavy=10, recent=4, sink=1, prompt=33, pin=None)]
 

@@ -5,15 +5,19 @@ Planning a row from its cache (``plan_row``: its counters, pins and policy) take
 microseconds a row, which at thousands of rows is more than a GPU's whole step. Between
 two steps of the same conversations nothing but the step changes their caches, so the
 next plan follows from the last by arithmetic over every row at once (numpy), and the
-counters that each row's layers would advance live in two arrays of the batch meanwhile
+counters that each row's layers would advance live in the step's arrays meanwhile
 (``layer.LiveCounts``). A row is planned from its cache again only where arithmetic does
 not tell: its recent window meets a pinned span, its sink is not filled yet, it needs
 more room (a cache that never evicts), or it has just joined.
+
+Those arrays (``Records``) hold each conversation under a number it keeps while it
+decodes (its record), whichever batch row it is in: when rows come and go, the next
+batch maps its rows to records and the others carry on untouched, so a change of rows
+costs about what the rows that come and go cost, not what every row does.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +51,7 @@ class Segment:
     bounded: bool
     rankings: frozenset[int]
     turns: bool  # some row's scores stay with their turn (``turns.py``)
+    signature: tuple  # the pool's (``pool.pool_signature``)
 
     @property
     def key(self) -> tuple:
@@ -69,89 +74,124 @@ def plan_row(cache: H2OCache, token: int) -> list[int]:
     return [token, rope_position, held, seen, pinned, start, end, evicts, rule.ranking, cache.turns.opened]
 
 
+class Records:
+    """What the decode step keeps of each conversation decoding (see the module
+    docstring), by record: its counters (its layers' ``LiveCounts`` read them here), what
+    arithmetic planning needs of it (fixed while it decodes), its last plan and its batch
+    row. A record is taken as a conversation joins and given back as it leaves."""
+
+    def __init__(self) -> None:
+        self.batch: StepBatch | None = None  # the batch whose rows the records are
+        self.caches: list[H2OCache | None] = []  # by record
+        # Each conversation's record by its id: a conversation holding one is kept alive
+        # (``caches``), so no other can have its id meanwhile.
+        self.by_id: dict[int, int] = {}
+        self._free: list[int] = []
+        self.seen = self.held = self.pinned = self.size = self.spans_end = self.row = np.zeros(0, dtype=np.int64)
+        self.capacity = np.zeros(0, dtype=np.int64)
+        self.rolling = self.fresh = np.zeros(0, dtype=bool)
+        self.plan = np.zeros((0, FIELDS), dtype=np.int64)
+
+    def of(self, cache: H2OCache) -> int | None:
+        """``cache``'s record, where it has one here."""
+        return self.by_id.get(id(cache))
+
+    def take(self, cache: H2OCache) -> int:
+        """A record for ``cache``, read from it; its layers' counters live here from now."""
+        if not self._free:
+            self._grow()
+        record = self._free.pop()
+        layer = cache.layers[0]
+        self.seen[record], self.held[record] = layer.seen, layer.held
+        self.pinned[record] = layer.pinned_slots
+        capacity = cache.policy.capacity
+        self.capacity[record] = np.iinfo(np.int64).max if capacity is None else capacity
+        self.rolling[record], self.size[record] = cache.rolling, layer.size
+        self.spans_end[record] = max((end for _, end in cache.spans.ranges), default=0)  # the last pin's end
+        self.fresh[record] = True  # planned from its cache at its first step
+        self.caches[record] = cache
+        self.by_id[id(cache)] = record
+        live = LiveCounts(self, record)
+        for each in cache.layers:
+            each.live = live
+        return record
+
+    def leave(self, record: int) -> None:
+        """Record ``record``'s counters go back to its cache's layers, and the batch whose
+        row it was is stale (the next step builds one anew); nothing if it was left."""
+        cache = self.caches[record]
+        if cache is None:
+            return
+        self.caches[record] = None
+        del self.by_id[id(cache)]
+        seen, held = int(self.seen[record]), int(self.held[record])
+        for layer in cache.layers:
+            layer.live = None
+            layer.seen, layer.held = seen, held
+        self._free.append(record)
+        if self.batch is not None:
+            self.batch.stale = True
+            self.batch.members[self.row[record]] = None  # nor keeps the cache alive
+
+    def _grow(self) -> None:
+        old = len(self.caches)
+        new = max(16, 2 * old)
+        for name in ("seen", "held", "pinned", "size", "spans_end", "row", "capacity", "rolling", "fresh", "plan"):
+            before = getattr(self, name)
+            after = np.zeros((new, *before.shape[1:]), dtype=before.dtype)
+            after[:old] = before
+            setattr(self, name, after)
+        self.caches += [None] * (new - old)
+        self._free += reversed(range(old, new))
+
+
 class StepBatch:
     """The rows of ``segments``, ``caches`` in the callers' order (see the module docstring).
     ``previous``: the last step's batch, whose rows still decoding carry on from where it
-    left them (their counters and plans, no cache read); its others are let go."""
+    left them (their records: no cache read); its others leave."""
 
     def __init__(self, segments: list[Segment], caches: list[H2OCache], previous: StepBatch | None = None) -> None:
         self.segments, self.ids = segments, tuple(map(id, caches))
+        records = self.records = previous.records if previous is not None else Records()
         rows = sum(seg.rows for seg in segments)
         self.members: list[tuple[H2OCache, Segment, int] | None] = [None] * rows  # by batch row
+        record = np.full(rows, -1, dtype=np.int64)
+        # Padding rows: their one slot, never evicted, ranked as their segment's rows.
+        self.padding_plan = np.zeros((rows, FIELDS), dtype=np.int64)
         for seg in segments:
-            for index, cache in enumerate(seg.caches):
-                self.members[seg.offset + index] = (cache, seg, index)
-        self._row_of = {id(member[0]): row for row, member in enumerate(self.members) if member is not None}
-        self.order = np.array([self._row_of[id(cache)] for cache in caches])
+            members = range(seg.offset, seg.offset + len(seg.caches))
+            self.members[members.start : members.stop] = [(cache, seg, index) for index, cache in enumerate(seg.caches)]
+            record[members.start : members.stop] = [records.by_id.get(id(cache), -1) for cache in seg.caches]
+            self.padding_plan[seg.offset : seg.offset + seg.rows, RANKING] = min(seg.rankings)
+        for row in np.flatnonzero(record < 0):
+            if self.members[row] is not None:  # joining
+                record[row] = records.take(self.members[row][0])
+        self.rows = np.flatnonzero(record >= 0)  # the conversations' batch rows
+        self.records_of_rows = record[self.rows]
+        if previous is not None:  # its rows not carried on leave
+            here = np.zeros(len(records.caches), dtype=bool)
+            here[self.records_of_rows] = True
+            for left in previous.records_of_rows[~here[previous.records_of_rows]]:
+                records.leave(int(left))
+        records.row[self.records_of_rows] = self.rows
+        records.batch = self
+        by_id = records.by_id
+        self.order = records.row[[by_id[id(cache)] for cache in caches]]
         self._in_order = len(caches) == rows and bool((self.order == np.arange(rows)).all())
         self._device_order: torch.Tensor | None = None
-        self.real = np.array([member is not None for member in self.members])
-        self.live_rows = len(self._row_of)
-        self.seen, self.held = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-        # What arithmetic planning needs of each row, fixed while the batch lasts.
-        never = np.iinfo(np.int64).max
-        self.capacity, self.pinned = np.full(rows, never, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-        self.rolling, self.size = np.zeros(rows, dtype=bool), np.zeros(rows, dtype=np.int64)
-        self.spans_end = np.zeros(rows, dtype=np.int64)  # where the last pinned span ends
-        # The last plan of every row: rows carried on keep theirs, the others are planned
-        # from their caches (``fresh``); padding rows are ranked as their segment's rows.
-        self.fresh = self.real.copy()
-        self.plan: np.ndarray | None = self._carry(previous)
-        for row in np.flatnonzero(self.fresh):
-            self._read_row(row)
-        if previous is not None:
-            previous.let_go()
         self.stale = False  # some row left: the next step builds a batch anew
 
-    def _carry(self, previous: StepBatch | None) -> np.ndarray | None:
-        """Take over ``previous``'s rows that are rows here too: the last plan of every
-        row (None where none was carried)."""
-        if previous is None or previous.plan is None:
-            return None
-        pairs = [(row, old) for row, member in enumerate(self.members)
-                 if member is not None and (old := previous.row_of(member[0])) is not None]
-        if not pairs:
-            return None
-        new, old = (np.array(side) for side in zip(*pairs))
-        for name in ("seen", "held", "capacity", "pinned", "rolling", "size", "spans_end"):
-            getattr(self, name)[new] = getattr(previous, name)[old]
-        plan = np.zeros((len(self.members), FIELDS), dtype=np.int64)
-        for seg in self.segments:
-            plan[seg.offset : seg.offset + seg.rows, RANKING] = min(seg.rankings)
-        plan[new] = previous.plan[old]
-        self.fresh[new] = False
-        for row, before in pairs:
-            live = self.members[row][0].layers[0].live
-            live.seen, live.held, live.row, live.leave = self.seen, self.held, row, functools.partial(self._leave, row)
-            previous.hand_over(before)
-        return plan
+    def segments_of(self, caches: list[H2OCache]) -> list[Segment | None]:
+        """The segment each of ``caches`` is a row of, where it still is a row of this
+        batch (None where not): one lookup a cache, for thousands at every change of rows."""
+        if self.records.batch is not self:
+            return [None] * len(caches)
+        by_id, row, members = self.records.by_id, self.records.row, self.members
+        return [None if (record := by_id.get(id(cache))) is None else members[row[record]][1] for cache in caches]
 
-    def _read_row(self, row: int) -> None:
-        """Row ``row``'s counters and fixed values from its cache, whose layers' counters
-        then live in this batch's arrays."""
-        cache = self.members[row][0]
-        layer = cache.layers[0]
-        self.seen[row], self.held[row] = layer.seen, layer.held
-        self.pinned[row] = layer.pinned_slots
-        if cache.policy.capacity is not None:
-            self.capacity[row] = cache.policy.capacity
-        self.rolling[row], self.size[row] = cache.rolling, layer.size
-        self.spans_end[row] = max((end for _, end in cache.spans.ranges), default=0)
-        live = LiveCounts(self.seen, self.held, row, functools.partial(self._leave, row))
-        for each in cache.layers:
-            each.live = live
-
-    def row_of(self, cache: H2OCache) -> int | None:
-        """``cache``'s batch row, where it is still one."""
-        row = self._row_of.get(id(cache))
-        return row if row is not None and self.members[row] is not None and self.members[row][0] is cache else None
-
-    def hand_over(self, row: int) -> None:
-        """Row ``row`` goes on in another batch, its counters with it."""
-        self.members[row] = None
-        self.real[row] = False
-        self.live_rows -= 1
-        self.stale = True
+    @property
+    def live_rows(self) -> int:
+        return len(self.records.by_id)
 
     def serves(self, caches: list[H2OCache]) -> bool:
         """Whether the next step of ``caches`` can go on from this batch."""
@@ -159,37 +199,37 @@ class StepBatch:
 
     def next_plan(self, tokens: list[int]) -> np.ndarray:
         """The plan of the next step, ``tokens[i]`` fed to the callers' ``caches[i]``."""
-        last, plan = self.plan, np.zeros((len(self.members), FIELDS), dtype=np.int64)
-        for seg in self.segments:  # padding rows: their one slot, never evicted, ranked as the others
-            plan[seg.offset : seg.offset + seg.rows, RANKING] = min(seg.rankings)
-        if last is None:
-            slow = self.real.copy()
-        else:
-            seen, held, real = self.seen, self.held, self.real
-            plan[:, START], plan[:, RANKING], plan[:, OPENED] = last[:, START], last[:, RANKING], last[:, OPENED]
-            plan[real, POSITION], plan[real, SLOT] = seen[real], held[real]
-            plan[real, ROPE] = np.where(self.rolling, held, seen)[real]
-            # The recent window slides by one unpinned token, the sink stays.
-            plan[real, END] = last[real, END] + 1
-            plan[real, EVICTS] = (held + 1 - self.pinned > self.capacity)[real]
-            sink_full = last[:, START] <= last[:, POSITION]
-            clear = (self.spans_end <= last[:, END] + 1) & (last[:, END] > 0)
-            slow = real & (self.fresh | ~(sink_full & clear & (held + 1 <= self.size)))
-        self.fresh[:] = False
+        records, rows, record = self.records, self.rows, self.records_of_rows
+        plan = self.padding_plan.copy()
+        last, seen, held = records.plan[record], records.seen[record], records.held[record]
+        mine = np.zeros_like(last)
+        mine[:, START], mine[:, RANKING], mine[:, OPENED] = last[:, START], last[:, RANKING], last[:, OPENED]
+        mine[:, POSITION], mine[:, SLOT] = seen, held
+        mine[:, ROPE] = np.where(records.rolling[record], held, seen)
+        # The recent window slides by one unpinned token, the sink stays.
+        mine[:, END] = last[:, END] + 1
+        mine[:, EVICTS] = held + 1 - records.pinned[record] > records.capacity[record]
+        sink_full = last[:, START] <= last[:, POSITION]
+        clear = (records.spans_end[record] <= last[:, END] + 1) & (last[:, END] > 0)
+        slow = records.fresh[record] | ~(sink_full & clear & (held + 1 <= records.size[record]))
+        plan[rows] = mine
         plan[self.order, TOKEN] = tokens
-        for row in np.flatnonzero(slow):
+        for at in np.flatnonzero(slow):
+            row, each = rows[at], record[at]
             cache, seg, index = self.members[row]
-            if self.held[row] + 1 > self.size[row]:
-                seg.pool.give_room(index, int(self.held[row]) + DECODE_ROOM)
-                self.size[row] = cache.layers[0].size
+            if records.held[each] + 1 > records.size[each]:
+                seg.pool.give_room(index, int(records.held[each]) + DECODE_ROOM)
+                records.size[each] = cache.layers[0].size
             plan[row] = plan_row(cache, int(plan[row, TOKEN]))
-        self.plan = plan
+        records.fresh[record] = False
+        records.plan[record] = plan[rows]
         return plan
 
     def settle(self, plan: np.ndarray) -> None:
         """After the step: every row's counters, as ``plan`` said."""
-        self.seen += self.real
-        self.held += self.real & (plan[:, EVICTS] == 0)
+        record = self.records_of_rows
+        self.records.seen[record] += 1
+        self.records.held[record] += plan[self.rows, EVICTS] == 0
 
     def in_callers_order(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits of the callers' ``caches``, in their order."""
@@ -199,21 +239,8 @@ class StepBatch:
             self._device_order = torch.from_numpy(self.order).to(logits.device)
         return logits.index_select(0, self._device_order)
 
-    def let_go(self, cache: H2OCache | None = None) -> None:
-        """Hand the counters back to ``cache``'s layers (None: every row's)."""
-        if cache is None:
-            for row in np.flatnonzero(self.real):
-                self._leave(row)
-        elif (row := self.row_of(cache)) is not None:
-            self._leave(row)
-
-    def _leave(self, row: int) -> None:
-        member = self.members[row]
-        if member is None:
-            return
-        cache = member[0]
-        seen, held = int(self.seen[row]), int(self.held[row])
-        self.hand_over(row)  # its counters are the layers' again
-        for layer in cache.layers:
-            layer.live = None
-            layer.seen, layer.held = seen, held
+    def let_go(self, cache: H2OCache) -> None:
+        """Hand the counters back to ``cache``'s layers, where it is a row here."""
+        record = self.records.of(cache)
+        if record is not None:
+            self.records.leave(record)

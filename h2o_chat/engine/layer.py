@@ -53,11 +53,15 @@ class HeldSlots:
 
 class LiveCounts:
     """Where a cache's counters live while the decode step holds its row: in the step's
-    arrays (``seen[row]``, ``held[row]``), which it advances for every row at once rather
-    than layer by layer. ``leave`` hands them back to the layers (and tells the step)."""
+    arrays ``records.seen[record]`` and ``records.held[record]`` (``batch.Records``),
+    which it advances for every row at once rather than layer by layer. ``leave`` hands
+    them back to the layers (and tells the step)."""
 
-    def __init__(self, seen, held, row: int, leave: Callable[[], None]) -> None:
-        self.seen, self.held, self.row, self.leave = seen, held, row, leave
+    def __init__(self, records, record: int) -> None:
+        self.records, self.record = records, record
+
+    def leave(self) -> None:
+        self.records.leave(self.record)
 
 
 class Counted:
@@ -72,14 +76,14 @@ class Counted:
         if layer is None:
             return self
         live = layer.live
-        return getattr(layer, self.own) if live is None else int(getattr(live, self.name)[live.row])
+        return getattr(layer, self.own) if live is None else int(getattr(live.records, self.name)[live.record])
 
     def __set__(self, layer: H2OLayer, value: int) -> None:
         live = layer.live
         if live is None:
             setattr(layer, self.own, value)
         else:
-            getattr(live, self.name)[live.row] = value
+            getattr(live.records, self.name)[live.record] = value
 
 
 class H2OLayer(CacheLayerMixin):

@@ -59,8 +59,10 @@ class RowPool:
         # CUDA graph of the decode step) is stale then.
         self.generation = 0
         self._members: list[weakref.ref[H2OCache]] = []  # by row
-        # Each member's row, so rows coming and going cost the same at any pool size.
-        self._row_of: weakref.WeakKeyDictionary[H2OCache, int] = weakref.WeakKeyDictionary()
+        # Each member's row by its id, so rows coming and going cost the same at any pool
+        # size; an id outlives its member (``_row``), so each row keeps its member's.
+        self._row_of: dict[int, int] = {}
+        self._ids: list[int] = []  # by row
         # Bytes of the buffers no member's slots take (spare rows, each row's slots past
         # its member's), kept as rows or buffers change from the bytes each row shows its
         # member; the members' own are theirs to count (``H2OCache.allocated_bytes``).
@@ -87,27 +89,34 @@ class RowPool:
 
     def holds(self, cache: H2OCache) -> bool:
         """Whether ``cache`` lies in this pool's buffers (a member that has not moved out)."""
-        row = self._row_of.get(cache)
+        row = self._row(cache)
         return row is not None and self._holds(cache, row)
 
-    def join(self, caches: list[H2OCache], rows: int) -> list[int]:
+    def join(self, caches: list[H2OCache], rows: int, intact: frozenset[int] = frozenset()) -> list[int]:
         """Each cache's row, the caches joining where they are not members yet, with room
         for ``rows`` rows (``>= len(caches)``: spare ones a step may compute). Members
-        beside ``caches`` leave first: every member is a row of every step."""
-        self._forget_departed()
+        beside ``caches`` leave first: every member is a row of every step. ``intact``:
+        the ids of members the caller knows still lie in their rows (nothing changed them
+        since they last did), which are not looked at again: at thousands of rows, looking
+        cost a step with one row coming and one going more than the step itself."""
+        self._forget_departed(intact)
         wanted = {id(cache) for cache in caches}
         for member in [m() for m in self._members if id(m()) not in wanted]:
             self.release(member)
-        groups = [cache.stacked() for cache in caches]
-        self._reserve(rows, max(_size(group) for group in groups), groups[0])
-        return [self.admit(cache, rows, group) for cache, group in zip(caches, groups)]
+        joining = [cache for cache in caches if id(cache) not in intact]
+        groups = {id(cache): cache.stacked() for cache in joining}
+        like = next(iter(groups.values())) if groups else self._members[0]().whole_group()
+        self._reserve(rows, max((_size(group) for group in groups.values()), default=0), like)
+        row_of = self._row_of
+        return [row_of[id(cache)] if id(cache) in intact else self.admit(cache, rows, groups[id(cache)])
+                for cache in caches]
 
     def admit(self, cache: H2OCache, rows: int, group: SlotGroup | None = None) -> int:
         """``cache``'s row, joining now if it is no member yet, in buffers with room for
         ``rows`` rows: a batch filled one conversation at a time holds each one's own
         buffers only until it joins, never all of them beside the pool. ``group``: its
         ``stacked()``, where the caller has it."""
-        row = self._row_of.get(cache)
+        row = self._row(cache)
         if row is not None:
             if self._holds(cache, row):
                 return row
@@ -118,7 +127,8 @@ class RowPool:
         row = len(self._members)
         self._members.append(weakref.ref(cache))
         self._shown.append(0)
-        self._row_of[cache] = row
+        self._ids.append(id(cache))
+        self._row_of[id(cache)] = row
         self._point(row, _size(group))
         # Its own buffers are free now. glibc would keep them (32 caches joining left the
         # pool's whole size of freed buffers in the process); handed back as they add up,
@@ -141,7 +151,7 @@ class RowPool:
     def release(self, cache: H2OCache) -> None:
         """``cache`` leaves, into buffers of its own holding what its row holds. A cache
         that is no member is left as it is."""
-        row = self._row_of.get(cache)
+        row = self._row(cache)
         if row is None:
             return
         if self._holds(cache, row):
@@ -187,23 +197,31 @@ class RowPool:
         self._forget(row)
         while len(self._members) - 1 > row and not self._lies_in_row(len(self._members) - 1):
             self._forget(len(self._members) - 1)
-            self._members.pop()
-            self._shown.pop()
+            self._pop()
         last = len(self._members) - 1
-        self._members[row], self._shown[row] = self._members[last], self._shown[last]
-        self._members.pop()
-        self._shown.pop()
+        self._members[row], self._shown[row], self._ids[row] = self._members[last], self._shown[last], self._ids[last]
+        self._pop()
         if row != last:
             mover = self._members[row]()
-            self._row_of[mover] = row
+            self._row_of[self._ids[row]] = row
             self._point(row, _size(mover.whole_group()))
 
     def _forget(self, row: int) -> None:
         """``row``'s member is no member any more (its row still to be freed)."""
-        member = self._members[row]()
-        if member is not None and self._row_of.get(member) == row:
-            del self._row_of[member]
+        key = self._ids[row]
+        if self._row_of.get(key) == row:
+            del self._row_of[key]
         self._shown[row] = 0
+
+    def _pop(self) -> None:
+        self._members.pop()
+        self._shown.pop()
+        self._ids.pop()
+
+    def _row(self, cache: H2OCache) -> int | None:
+        """``cache``'s row, where it is a member (a member gone may have left its id to another)."""
+        row = self._row_of.get(id(cache))
+        return row if row is not None and self._members[row]() is cache else None
 
     def _lies_in_row(self, row: int) -> bool:
         member = self._members[row]()
@@ -219,12 +237,12 @@ class RowPool:
         elif len(self._members) <= self.room // 4:
             self._resize(self.room // 2, self.size, self._members[0]().whole_group())
 
-    def _forget_departed(self) -> None:
+    def _forget_departed(self, intact: frozenset[int] = frozenset()) -> None:
         """Free the rows of caches gone (collected) or that left on their own (their group
-        reallocated, was reset or dissolved). From the last row, so a row's mover is always
-        a checked member."""
+        reallocated, was reset or dissolved), but those of ``intact`` (see ``join``). From
+        the last row, so a row's mover is always a checked member."""
         for row in reversed(range(len(self._members))):
-            if not self._lies_in_row(row):
+            if id(self._members[row]()) not in intact and not self._lies_in_row(row):
                 self._drop_row(row)
         self._shrink()
         self._recount()

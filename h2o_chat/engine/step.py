@@ -117,8 +117,8 @@ class DecodeStep:
         batch = self._batch
         if batch is not None and batch.serves(caches):
             return list(range(len(caches))), []
-        reasons = [None if batch is not None and batch.row_of(cache) is not None else why_not_stepped(cache)
-                   for cache in caches]
+        carried = batch.segments_of(caches) if batch is not None else [None] * len(caches)
+        reasons = [None if seg is not None else why_not_stepped(cache) for cache, seg in zip(caches, carried)]
         return [i for i, why in enumerate(reasons) if why is None], [i for i, why in enumerate(reasons) if why]
 
     @torch.inference_mode()  # the pools' buffers are inference tensors
@@ -163,17 +163,19 @@ class DecodeStep:
         """The pools' segments of a step of ``caches``; those that are rows of ``previous``
         (at their budget, with room for the next token) go on as they are."""
         by_pool: dict[tuple, list[H2OCache]] = {}
-        for cache in caches:
-            signature = self._signature(cache)
-            by_pool.setdefault(signature, []).append(cache)
+        # The rows of ``previous`` lie in their pools still: whatever changes a cache lets go of its row first.
+        last = previous.segments_of(caches) if previous is not None else [None] * len(caches)
+        carried = frozenset(id(cache) for cache, seg in zip(caches, last) if seg is not None)
+        for cache, seg in zip(caches, last):
+            by_pool.setdefault(self._signature(cache) if seg is None else seg.signature, []).append(cache)
         segments, offset = [], 0
         for signature, members in by_pool.items():
             pool = self._pool(signature)
             rows = self.batch_rows(model, len(members))
-            at = pool.join(members, rows)
+            at = pool.join(members, rows, carried)
             ordered = [cache for _, cache in sorted(zip(at, members), key=lambda pair: pair[0])]
             for row, cache in enumerate(ordered):
-                if previous is not None and previous.row_of(cache) is not None:
+                if id(cache) in carried:
                     continue
                 self._rows[cache] = (signature, pool)
                 cache.evict_to_budget()
@@ -183,7 +185,7 @@ class DecodeStep:
                 pool, ordered, rows, offset, first.storage, first.rope, first.key_rotation is not None,
                 scored=any(cache.policy.needs_scores for cache in ordered),
                 bounded=signature[1], rankings=frozenset(cache.policy.ranking for cache in ordered),
-                turns=any(cache.policy.marks_turns for cache in ordered)))
+                turns=any(cache.policy.marks_turns for cache in ordered), signature=signature))
             offset += rows
         return segments
 
