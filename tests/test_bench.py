@@ -219,6 +219,8 @@ def test_the_index_collects_every_page_in_the_folder(tmp_path):
     (["bytes", "--shares", "0,0.2"], "--shares '0,0.2': must be a comma list of shares above 0 and at most 1"),
     (["xsum", "--variant", "foo"], "--variant 'foo': must be norm:heavy share:sink"),
     (["readers", "--reader-rows", "16,0"], "--reader-rows '16,0': must be a comma list of whole numbers from 1"),
+    (["churn", "--churn-rows", "x"], "--churn-rows 'x': must be a comma list of whole numbers from 1"),
+    (["churn", "--churn-passes", "0"], "--churn-passes 0: must be a whole number from 1"),
 ])
 def test_a_value_no_comparison_can_run_with_is_refused_in_one_line(argv, message, capsys):
     """Before anything loads (QA: these ended after the model loaded in a traceback, and
@@ -336,6 +338,20 @@ def test_rolling_bench_scores_every_token_in_its_window(tiny_model, tmp_path):
     assert "| 64–70 | inside |" in report.rolling_markdown(tight)
     # Both presets stream past the real model's 8192-token trained context.
     assert min(parse_args(["rolling", mode]).tokens for mode in ("--quick", "--full")) > 8192
+
+
+def test_the_churn_bench_ends_a_reply_at_every_pass_of_the_churn_way_only():
+    """Churn: one reply ends (and a waiting one takes its place) at every pass timed, with
+    more rows than passes and fewer; steady: none ends while timed."""
+    from h2o_chat.bench import churn
+
+    result = churn.run([2, 24], passes=12, rounds=1, log=lambda _: None)
+    assert [(r["rows"], r["way"]) for r in result["results"]] == [(n, way) for n in (2, 24) for way in churn.WAYS]
+    for r in result["results"]:
+        assert r["passes"] >= 12 and r["pass_ms"] > 0
+        # The count of ends and of passes are read one after the other: one may be a pass ahead.
+        assert abs(r["ended"] - r["passes"]) <= 1 if r["way"] == "churn" else r["ended"] == 0
+    assert "| 24 | churn | " in churn.markdown(result)
 
 
 def test_the_readers_bench_times_every_way_for_every_row_count(smollm):

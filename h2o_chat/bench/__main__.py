@@ -4,7 +4,7 @@ Comparisons: streaming (1), continuation (2), tune (tuning study), xsum (3), spe
 chat (5), rolling (6: absolute vs rolled positions past the trained context), serve (7:
 many conversations at once, batched or taking turns), step (the decode step's cost as
 conversations are added), readers (what the threads reading the replies cost the
-scheduler's worker), bytes (8: quality at equal memory, storage precision and
+scheduler's worker), churn (what rows coming and going cost the scheduler's pass), bytes (8: quality at equal memory, storage precision and
 eviction), storage (8b: designs for 4-bit slots, quantization alone), tiers (8d: evicted
 tokens kept at fewer bits), shapes (8e: per-layer and per-head budgets), or all; peer (llama.cpp on the same GGUF file, one
 conversation; run only when named, it needs ``llama-cpp-python``, see ``bench/peer.py``); and gpu (the GPU check, run only when named:
@@ -31,8 +31,8 @@ import torch
 
 from h2o_chat.loading import load_model, set_torch_threads
 
-from . import (budget_shapes, data, equal_bytes, gpu, gpu_models, long_chat, peer, readers, report, rolling, serve,
-               speed, step, storage_designs, streaming, tier_study, xsum)
+from . import (budget_shapes, churn, data, equal_bytes, gpu, gpu_models, long_chat, peer, readers, report, rolling,
+               serve, speed, step, storage_designs, streaming, tier_study, xsum)
 from .options import flag, parse_budgets, parse_counts, parse_serve_configs, parse_shares, refuse_below
 from .variants import Variant, h2o_split, standard_variants
 
@@ -53,7 +53,7 @@ PRESETS = {
 # Flags whose value must be a whole number from 1, or from 0 (where 0 means none).
 _FROM_ONE = ("passages", "articles", "decode_tokens", "repeats", "prefill_repeats", "questions", "max_new_tokens",
              "chat_budget", "tokens", "prefill_chunk", "chunk", "rolling_budget", "serve_tokens", "samples",
-             "step_history", "step_slots", "step_rounds", "design_len", "peer_context", "threads")
+             "step_history", "step_slots", "step_rounds", "churn_passes", "design_len", "peer_context", "threads")
 _FROM_ZERO = ("callbacks", "paste_tokens", "chat_turns")
 # Comma-list flags: what reads them, and what it takes.
 _LISTS: dict[str, tuple[Callable[[str], object], str]] = {
@@ -62,6 +62,7 @@ _LISTS: dict[str, tuple[Callable[[str], object], str]] = {
     "contexts": (parse_counts, "whole numbers from 1"),
     "step_rows": (parse_counts, "whole numbers from 1"),
     "reader_rows": (parse_counts, "whole numbers from 1"),
+    "churn_rows": (parse_counts, "whole numbers from 1"),
     "byte_contexts": (lambda text: parse_counts(text, allow_none=True), "whole numbers from 1, or ''"),
     "serve_configs": (parse_serve_configs, "CONVERSATIONSxHISTORY pairs of whole numbers from 1, e.g. 4x2048"),
     "shares": (parse_shares, "shares above 0 and at most 1"),
@@ -136,8 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-policies", default="h2o",
                    help="step: comma list of policies timed side by side (h2o first: the others' ratios are to it)")
     p.add_argument("--step-rounds", type=int, default=5,
-                   help="step, readers: timed rounds alternating the row counts")
+                   help="step, readers, churn: timed rounds alternating the row counts")
     p.add_argument("--reader-rows", default="16,64,128", help="readers: comma list of rows decoding together")
+    p.add_argument("--churn-rows", default="128,512", help="churn: comma list of rows decoding together")
+    p.add_argument("--churn-passes", type=int, default=100, help="churn: passes timed each way (default 100)")
     p.add_argument("--shares", default="0.2,0.1,0.05,0.025",
                    help="bytes: comma list of shares of the full cache's bytes (default 0.2,0.1,0.05,0.025)")
     p.add_argument("--design-len", type=int, default=1536,
@@ -330,6 +333,9 @@ TABLE: dict[str, Comparison] = {
     "readers": Comparison("readers", lambda b: ("readers", readers.run(
         b.tokenizer, parse_counts(b.args.reader_rows), b.args.step_rounds, log=log)), lambda b, result: [
         ("readers", "What the threads reading the replies cost the scheduler's worker", readers.markdown(result))]),
+    "churn": Comparison("churn", lambda b: ("churn", churn.run(
+        parse_counts(b.args.churn_rows), b.args.churn_passes, b.args.step_rounds, log=log)), lambda b, result: [
+        ("churn", "What rows coming and going cost the scheduler's pass", churn.markdown(result))]),
     "bytes": _one_page(
         "equal_bytes", "8. Quality at equal memory: storage precision and eviction under one byte budget",
         lambda b: equal_bytes.run(b.model, b.tokenizer, b.args.passages, parse_shares(b.args.shares),
