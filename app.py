@@ -8,6 +8,7 @@ OpenAI-compatible API is under ``/v1`` on the same port.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import os
 import sys
@@ -74,6 +75,9 @@ def load_for_serving(model_config) -> tuple:
     loaded = load_model(model_config)
     gc.collect()  # what is garbage now is not kept for ever
     gc.freeze()
+    # Frozen objects are skipped by the collection at exit too: extensions that count what
+    # outlives the interpreter (Triton's nanobind bindings) would print hundreds of leaks.
+    atexit.register(gc.unfreeze)
     return loaded
 
 
