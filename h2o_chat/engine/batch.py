@@ -18,6 +18,8 @@ costs about what the rows that come and go cost, not what every row does.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +74,11 @@ def plan_row(cache: H2OCache, token: int) -> list[int]:
     # key and query at that rank instead of its absolute position.
     rope_position = held if cache.rolling else seen
     return [token, rope_position, held, seen, pinned, start, end, evicts, rule.ranking, cache.turns.opened]
+
+
+def _records_of(by_id: dict[int, int], ids: Iterable[int], count: int) -> np.ndarray:
+    """The record of each of ``ids`` (``Records.by_id``), -1 where it has none."""
+    return np.fromiter(map(by_id.get, ids, itertools.repeat(-1)), dtype=np.int64, count=count)
 
 
 class Records:
@@ -158,10 +165,12 @@ class StepBatch:
         record = np.full(rows, -1, dtype=np.int64)
         # Padding rows: their one slot, never evicted, ranked as their segment's rows.
         self.padding_plan = np.zeros((rows, FIELDS), dtype=np.int64)
-        for seg in segments:
-            members = range(seg.offset, seg.offset + len(seg.caches))
-            self.members[members.start : members.stop] = [(cache, seg, index) for index, cache in enumerate(seg.caches)]
-            record[members.start : members.stop] = [records.by_id.get(id(cache), -1) for cache in seg.caches]
+        self.segment_of_row = np.full(rows, -1, dtype=np.int64)  # by batch row: its segment's index
+        for number, seg in enumerate(segments):
+            start, stop = seg.offset, seg.offset + len(seg.caches)
+            self.members[start:stop] = zip(seg.caches, itertools.repeat(seg), itertools.count())
+            record[start:stop] = _records_of(records.by_id, map(id, seg.caches), len(seg.caches))
+            self.segment_of_row[start:stop] = number
             self.padding_plan[seg.offset : seg.offset + seg.rows, RANKING] = min(seg.rankings)
         for row in np.flatnonzero(record < 0):
             if self.members[row] is not None:  # joining
@@ -175,19 +184,23 @@ class StepBatch:
                 records.leave(int(left))
         records.row[self.records_of_rows] = self.rows
         records.batch = self
-        by_id = records.by_id
-        self.order = records.row[[by_id[id(cache)] for cache in caches]]
+        self.order = records.row[_records_of(records.by_id, self.ids, len(caches))]
         self._in_order = len(caches) == rows and bool((self.order == np.arange(rows)).all())
         self._device_order: torch.Tensor | None = None
         self.stale = False  # some row left: the next step builds a batch anew
 
-    def segments_of(self, caches: list[H2OCache]) -> list[Segment | None]:
-        """The segment each of ``caches`` is a row of, where it still is a row of this
-        batch (None where not): one lookup a cache, for thousands at every change of rows."""
+    def carried(self, ids: list[int]) -> list[int]:
+        """For each of the caches of ``ids``, the index in ``segments`` of the segment it
+        still is a row of, -1 where none: in C over every id, for thousands at every
+        change of rows."""
         if self.records.batch is not self:
-            return [None] * len(caches)
-        by_id, row, members = self.records.by_id, self.records.row, self.members
-        return [None if (record := by_id.get(id(cache))) is None else members[row[record]][1] for cache in caches]
+            return [-1] * len(ids)
+        record = _records_of(self.records.by_id, ids, len(ids))
+        found = record >= 0
+        index = np.full(len(ids), -1, dtype=np.int64)
+        # A record here is a row of this batch (records leave as their rows do).
+        index[found] = self.segment_of_row[self.records.row[record[found]]]
+        return index.tolist()
 
     @property
     def live_rows(self) -> int:

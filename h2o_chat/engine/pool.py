@@ -82,34 +82,36 @@ class RowPool:
         """Rows the buffers have room for."""
         return self.buffers["keys"].shape[1] if self.buffers else 0
 
-    def members(self) -> list[H2OCache]:
-        """The member of each row, after forgetting those gone or moved out."""
-        self._forget_departed()
-        return [member() for member in self._members]
-
     def holds(self, cache: H2OCache) -> bool:
         """Whether ``cache`` lies in this pool's buffers (a member that has not moved out)."""
         row = self._row(cache)
         return row is not None and self._holds(cache, row)
 
-    def join(self, caches: list[H2OCache], rows: int, intact: frozenset[int] = frozenset()) -> list[int]:
-        """Each cache's row, the caches joining where they are not members yet, with room
-        for ``rows`` rows (``>= len(caches)``: spare ones a step may compute). Members
-        beside ``caches`` leave first: every member is a row of every step. ``intact``:
-        the ids of members the caller knows still lie in their rows (nothing changed them
-        since they last did), which are not looked at again: at thousands of rows, looking
-        cost a step with one row coming and one going more than the step itself."""
+    def join(self, caches: list[H2OCache], rows: int,
+             intact: frozenset[int] = frozenset()) -> tuple[list[H2OCache], list[tuple[int, H2OCache]]]:
+        """The members in row order (``caches``, the ones not yet members joining), with
+        room for ``rows`` rows (``>= len(caches)``: spare ones a step may compute), and the
+        row of each that joined now. Members beside ``caches`` leave first: every member is
+        a row of every step. ``intact``: the ids of members the caller knows still lie in
+        their rows (nothing changed them since they last did), which are not looked at
+        again: at thousands of rows, looking cost a step with one row coming and one going
+        more than the step itself. What goes over every row is a set operation or a
+        lookup a row: no row is checked, stacked or copied but those that come and go."""
         self._forget_departed(intact)
-        wanted = {id(cache) for cache in caches}
-        for member in [m() for m in self._members if id(m()) not in wanted]:
+        ids = list(map(id, caches))
+        # Every member now is alive and lies in its row, so each id is one member's.
+        gone = set(self._ids).difference(ids)
+        for member in [self._members[row]() for row in sorted(map(self._row_of.__getitem__, gone))]:
             self.release(member)
-        joining = [cache for cache in caches if id(cache) not in intact]
-        groups = {id(cache): cache.stacked() for cache in joining}
-        like = next(iter(groups.values())) if groups else self._members[0]().whole_group()
-        self._reserve(rows, max((_size(group) for group in groups.values()), default=0), like)
+        joining = [cache for cache, key in zip(caches, ids) if key not in intact]
+        groups = [cache.stacked() for cache in joining]
+        like = groups[0] if groups else self._members[0]().whole_group()
+        self._reserve(rows, max(map(_size, groups), default=0), like)
+        for cache, group in zip(joining, groups):
+            self.admit(cache, rows, group)
+        # Rows read once every cache has joined: a join may move another member's row.
         row_of = self._row_of
-        return [row_of[id(cache)] if id(cache) in intact else self.admit(cache, rows, groups[id(cache)])
-                for cache in caches]
+        return [member() for member in self._members], [(row_of[id(cache)], cache) for cache in joining]
 
     def admit(self, cache: H2OCache, rows: int, group: SlotGroup | None = None) -> int:
         """``cache``'s row, joining now if it is no member yet, in buffers with room for
@@ -237,12 +239,15 @@ class RowPool:
         elif len(self._members) <= self.room // 4:
             self._resize(self.room // 2, self.size, self._members[0]().whole_group())
 
-    def _forget_departed(self, intact: frozenset[int] = frozenset()) -> None:
+    def _forget_departed(self, intact: frozenset[int]) -> None:
         """Free the rows of caches gone (collected) or that left on their own (their group
         reallocated, was reset or dissolved), but those of ``intact`` (see ``join``). From
         the last row, so a row's mover is always a checked member."""
-        for row in reversed(range(len(self._members))):
-            if id(self._members[row]()) not in intact and not self._lies_in_row(row):
+        # An intact id's row is the one the id points at: a row of a member gone whose id
+        # a joiner has taken since is not that row, so it is checked.
+        kept = set(map(self._row_of.get, intact))
+        for row in sorted(set(range(len(self._members))).difference(kept), reverse=True):
+            if not self._lies_in_row(row):
                 self._drop_row(row)
         self._shrink()
         self._recount()

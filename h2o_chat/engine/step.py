@@ -26,6 +26,7 @@ spare rows of their pool and are never read.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -46,6 +47,12 @@ from .window import as_ring, entry_rows, entry_slots, slot_buffers, window_name
 # Batch sizes a captured step is padded to: about 1.4x apart, so at most about a third
 # of a step computes padding, and a few dozen graphs cover every batch.
 PADDED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+# A row's policy, read for every row of a segment in C.
+_NEEDS_SCORES = operator.attrgetter("policy.needs_scores")
+_RANKING = operator.attrgetter("policy.ranking")
+_MARKS_TURNS = operator.attrgetter("policy.marks_turns")
 
 
 def padded(rows: int) -> int:
@@ -117,9 +124,9 @@ class DecodeStep:
         batch = self._batch
         if batch is not None and batch.serves(caches):
             return list(range(len(caches))), []
-        carried = batch.segments_of(caches) if batch is not None else [None] * len(caches)
-        reasons = [None if seg is not None else why_not_stepped(cache) for cache, seg in zip(caches, carried)]
-        return [i for i, why in enumerate(reasons) if why is None], [i for i, why in enumerate(reasons) if why]
+        carried = batch.carried(list(map(id, caches))) if batch is not None else [-1] * len(caches)
+        alone = [i for i, index in enumerate(carried) if index < 0 and why_not_stepped(caches[i]) is not None]
+        return sorted(set(range(len(caches))).difference(alone)), alone
 
     @torch.inference_mode()  # the pools' buffers are inference tensors
     def release(self, cache: H2OCache) -> None:
@@ -161,31 +168,37 @@ class DecodeStep:
 
     def _segments(self, model, caches: list[H2OCache], previous: StepBatch | None) -> list[Segment]:
         """The pools' segments of a step of ``caches``; those that are rows of ``previous``
-        (at their budget, with room for the next token) go on as they are."""
-        by_pool: dict[tuple, list[H2OCache]] = {}
+        (at their budget, with room for the next token) go on as they are. What goes over
+        every row is a lookup a row: at thousands of rows, one that comes and one that goes
+        must not cost a check, a stack or a copy of every row."""
+        ids = list(map(id, caches))
         # The rows of ``previous`` lie in their pools still: whatever changes a cache lets go of its row first.
-        last = previous.segments_of(caches) if previous is not None else [None] * len(caches)
-        carried = frozenset(id(cache) for cache, seg in zip(caches, last) if seg is not None)
-        for cache, seg in zip(caches, last):
-            by_pool.setdefault(self._signature(cache) if seg is None else seg.signature, []).append(cache)
+        last = previous.carried(ids) if previous is not None else [-1] * len(caches)
+        carried = frozenset(key for key, index in zip(ids, last) if index >= 0)
+        signatures = {previous.segments[index].signature for index in set(last) if index >= 0}
+        signatures.update(self._signature(cache) for cache, index in zip(caches, last) if index < 0)
+        if len(signatures) == 1:  # one pool: its members in the callers' order
+            by_pool = {signatures.pop(): caches}
+        else:
+            by_pool: dict[tuple, list[H2OCache]] = {}
+            for cache, index in zip(caches, last):
+                signature = previous.segments[index].signature if index >= 0 else self._signature(cache)
+                by_pool.setdefault(signature, []).append(cache)
         segments, offset = [], 0
         for signature, members in by_pool.items():
             pool = self._pool(signature)
             rows = self.batch_rows(model, len(members))
-            at = pool.join(members, rows, carried)
-            ordered = [cache for _, cache in sorted(zip(at, members), key=lambda pair: pair[0])]
-            for row, cache in enumerate(ordered):
-                if id(cache) in carried:
-                    continue
+            ordered, joined = pool.join(members, rows, carried)
+            for row, cache in joined:
                 self._rows[cache] = (signature, pool)
                 cache.evict_to_budget()
                 pool.give_room(row, cache.layers[0].held + 1)
             first = ordered[0].layers[0]
             segments.append(Segment(
                 pool, ordered, rows, offset, first.storage, first.rope, first.key_rotation is not None,
-                scored=any(cache.policy.needs_scores for cache in ordered),
-                bounded=signature[1], rankings=frozenset(cache.policy.ranking for cache in ordered),
-                turns=any(cache.policy.marks_turns for cache in ordered), signature=signature))
+                scored=any(map(_NEEDS_SCORES, ordered)), bounded=signature[1],
+                rankings=frozenset(map(_RANKING, ordered)), turns=any(map(_MARKS_TURNS, ordered)),
+                signature=signature))
             offset += rows
         return segments
 
