@@ -184,7 +184,9 @@ class StepBatch:
                 records.leave(int(left))
         records.row[self.records_of_rows] = self.rows
         records.batch = self
-        self.order = records.row[_records_of(records.by_id, self.ids, len(caches))]
+        # Every cache of the step has a record by now: a missing one raises, as it must.
+        callers = np.fromiter(map(records.by_id.__getitem__, self.ids), dtype=np.int64, count=len(caches))
+        self.order = records.row[callers]
         self._in_order = len(caches) == rows and bool((self.order == np.arange(rows)).all())
         self._device_order: torch.Tensor | None = None
         self.stale = False  # some row left: the next step builds a batch anew

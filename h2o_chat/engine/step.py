@@ -175,14 +175,15 @@ class DecodeStep:
         # The rows of ``previous`` lie in their pools still: whatever changes a cache lets go of its row first.
         last = previous.carried(ids) if previous is not None else [-1] * len(caches)
         carried = frozenset(key for key, index in zip(ids, last) if index >= 0)
+        fresh = {i: self._signature(caches[i]) for i, index in enumerate(last) if index < 0}  # not carried
         signatures = {previous.segments[index].signature for index in set(last) if index >= 0}
-        signatures.update(self._signature(cache) for cache, index in zip(caches, last) if index < 0)
+        signatures.update(fresh.values())
         if len(signatures) == 1:  # one pool: its members in the callers' order
             by_pool = {signatures.pop(): caches}
         else:
             by_pool: dict[tuple, list[H2OCache]] = {}
-            for cache, index in zip(caches, last):
-                signature = previous.segments[index].signature if index >= 0 else self._signature(cache)
+            for i, (cache, index) in enumerate(zip(caches, last)):
+                signature = previous.segments[index].signature if index >= 0 else fresh[i]
                 by_pool.setdefault(signature, []).append(cache)
         segments, offset = [], 0
         for signature, members in by_pool.items():
