@@ -300,6 +300,19 @@ print(sampler.peak - sampler.start)
     assert int(grown) > 32 * 2**20
 
 
+
+def test_the_stepped_decode_times_the_decode_step_and_refuses_a_cache_it_cannot_take(tiny_model):
+    from h2o_chat.bench.speed import decode_stepped, prefill
+
+    cache = make_cache(tiny_model, "h2o", heavy=4, recent=4, sink=2)
+    with pytest.raises(ValueError, match="^the decode step cannot take this cache: its layers are not one group"):
+        decode_stepped(tiny_model, cache, torch.zeros(1, 8), 3)
+    logits = prefill(tiny_model, cache, torch.arange(1, 21)[None], 8)
+    decode_stepped(tiny_model, cache, logits, 3)
+    assert cache.get_seq_length() == 20 + 1 + 3  # the untimed joining step and the timed ones
+    assert cache.stats().held == 10
+
+
 # ---- position rolling (comparison 6) -------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from h2o_chat.config import CacheConfig
 from h2o_chat.engine.build import cache_for_policy, make_cache
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step import DecodeStep, why_not_stepped
 
 from . import data
 
@@ -113,6 +114,24 @@ def decode(model, cache, logits: torch.Tensor, n: int) -> float:
         for _ in range(n):
             token = logits.argmax(-1, keepdim=True)
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        synchronize(logits.device)
+        return time.perf_counter() - started
+
+
+def decode_stepped(model, cache, logits: torch.Tensor, n: int) -> float:
+    """Seconds for ``n`` greedy decode steps as the app decodes a conversation: one row of
+    the scheduler's ``DecodeStep`` (``decode`` runs the model's own forward over the cache,
+    which the app runs only for prompts and for caches the step cannot take). The step
+    that makes the cache its row comes first, untimed: a conversation joins once."""
+    why = why_not_stepped(cache)
+    if why is not None:
+        raise ValueError(f"the decode step cannot take this cache: {why}")
+    step = DecodeStep()
+    with torch.inference_mode():
+        logits = step(model, [cache], [int(logits.argmax())])
+        started = time.perf_counter()
+        for _ in range(n):
+            logits = step(model, [cache], [int(logits[0].argmax())])
         synchronize(logits.device)
         return time.perf_counter() - started
 
