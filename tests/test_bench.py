@@ -13,6 +13,7 @@ import torch
 
 from h2o_chat import make_cache
 from h2o_chat.bench import data, metrics, report
+from h2o_chat.bench.speed import decode_stepped, prefill
 from h2o_chat.bench.streaming import budget_slots, continue_pass, reference_logprobs, stream_pass
 from h2o_chat.bench.variants import MixedPolicy, Variant, bench_cache, h2o_split, standard_variants
 
@@ -300,10 +301,7 @@ print(sampler.peak - sampler.start)
     assert int(grown) > 32 * 2**20
 
 
-
 def test_the_stepped_decode_times_the_decode_step_and_refuses_a_cache_it_cannot_take(tiny_model):
-    from h2o_chat.bench.speed import decode_stepped, prefill
-
     cache = make_cache(tiny_model, "h2o", heavy=4, recent=4, sink=2)
     with pytest.raises(ValueError, match="^the decode step cannot take this cache: its layers are not one group"):
         decode_stepped(tiny_model, cache, torch.zeros(1, 8), 3)
