@@ -229,9 +229,11 @@ def ran_with(page: Page, view: str) -> dict[str, str]:
 
 # Installed before a click: notes every Gradio status tracker that shows from then on (the
 # outputs of a pending or running event show one; trackers already showing are not the
-# click's), and says whether all of them are done: hidden again, gone, or showing an
-# error. A short event can show and hide its trackers between two looks, so each class
-# change is read with the class it had before, and added or removed nodes are examined.
+# click's until they have hidden: an event just ending, whose toast came before its end,
+# shares its outputs' trackers with the click's), and says whether all of them are done:
+# hidden again, gone, or showing an error. A short event can show and hide its trackers
+# between two looks, so each class change is read with the class it had before, and added
+# or removed nodes are examined.
 _WATCH_EVENT = """() => {
   const trackers = '[data-testid=status-tracker]';
   const shows = t => !t.classList.contains('hide');
@@ -241,8 +243,11 @@ _WATCH_EVENT = """() => {
   const within = n => n.nodeType !== 1 ? [] : [n, ...n.querySelectorAll(trackers)].filter(e => e.matches(trackers));
   new MutationObserver(records => {
     for (const r of records) {
-      if (r.type === 'attributes' && r.target.matches(trackers))
-        note(r.target, !(r.oldValue || '').split(/\\s+/).includes('hide'));
+      if (r.type === 'attributes' && r.target.matches(trackers)) {
+        const wasHidden = (r.oldValue || '').split(/\\s+/).includes('hide');
+        if (wasHidden) before.delete(r.target);
+        note(r.target, !wasHidden);
+      }
       [...r.addedNodes, ...r.removedNodes].flatMap(within).forEach(t => note(t, false));
     }
   }).observe(document.body, {subtree: true, childList: true, attributes: true,

@@ -87,7 +87,9 @@ def _edit(page, nth: int, text: str) -> None:
     page.locator("#chatbot [data-testid=user]").nth(nth).hover()
     page.locator("#chatbot button[aria-label=Edit]").nth(nth).click()
     page.locator("#chatbot textarea.edit-textarea").fill(text)
-    page.locator("#chatbot button[aria-label=Submit]").click()
+    # Waited for like any other event: the toast of a refused edit shows before its event
+    # ends, and an event still showing its trackers would hide the next one's.
+    start_and_wait(page, "#chatbot button[aria-label=Submit]")
 
 
 def test_a_refused_edit_leaves_the_conversation_and_the_page_as_they_were(page):
