@@ -87,8 +87,8 @@ def _edit(page, nth: int, text: str) -> None:
     page.locator("#chatbot [data-testid=user]").nth(nth).hover()
     page.locator("#chatbot button[aria-label=Edit]").nth(nth).click()
     page.locator("#chatbot textarea.edit-textarea").fill(text)
-    # Waited for like any other event: the toast of a refused edit shows before its event
-    # ends, and an event still showing its trackers would hide the next one's.
+    # Waited for like any other event: a refused edit's toast shows before its event ends,
+    # so what a test reads after the toast could still change.
     start_and_wait(page, "#chatbot button[aria-label=Submit]")
 
 
