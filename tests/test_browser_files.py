@@ -6,6 +6,8 @@ in bytes and bits) taken with them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -137,21 +139,34 @@ def test_a_file_of_another_type_is_refused_as_every_file_is(page, tmp_path):
 def test_save_and_export_while_a_reply_streams_are_refused_as_every_file_is(page):
     """Saving or exporting while a reply streams is refused with a warning and the status
     line (the refusal escaped as an error: a red toast, and "Error" over the status line)."""
-    configure(page, max_new_tokens=1024)  # greedy: the story runs to the slider's longest
+    configure(page, max_new_tokens=1024)
+    open_files(page)
+    page.evaluate(_NOTE_TOASTS)
+    for button, outcome in (("#chat-save-session", "Not saved"), ("#chat-export-json", "Not exported")):
+        with _a_reply_streaming(page):
+            page.click(button)
+            expect(page.locator("#chat-files-status")).to_have_text(f"{outcome}: {STILL_STREAMING}")
+        _refusal_shown_once(page, STILL_STREAMING)
+
+
+@contextmanager
+def _a_reply_streaming(page: Page) -> Iterator[None]:
+    """The block runs while a long greedy reply streams (the story runs to the slider's
+    longest: 1,024 tokens); then the reply goes on until Esc stops it, and Undo takes its
+    turn back. A reply of its own for each refused action: one reply for all of them ended
+    first on a loaded machine, where 1,024 tokens of 36 slots decode in about a minute and
+    each refusal's toast takes 10 s to go."""
     page.fill("#chat-input textarea", "Write a long story about a dragon.")
     page.press("#chat-input textarea", "Enter")
     page.wait_for_function(
         "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
         ".some(e => e.innerText.length > 20)", timeout=DONE_TIMEOUT_MS)
-    open_files(page)
-    page.evaluate(_NOTE_TOASTS)
-    for button, outcome in (("#chat-save-session", "Not saved"), ("#chat-export-json", "Not exported")):
-        page.click(button)
-        expect(page.locator("#chat-files-status")).to_have_text(f"{outcome}: {STILL_STREAMING}")
-        _refusal_shown_once(page, STILL_STREAMING)
+    yield
     expect(page.locator("#chat-stop")).to_be_visible()  # the reply goes on
     page.keyboard.press("Escape")
     expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
+    page.click("#chat-undo")
+    expect(page.locator("#chatbot [data-testid=bot]")).to_have_count(0)
 
 
 # Every toast the page shows, noted as it appears: a toast lives 10 s, and a machine busy
@@ -293,28 +308,20 @@ def test_nothing_replaces_the_conversation_while_its_reply_streams(browser, app_
     page would go on showing the streaming conversation over the file's session."""
     page = open_app(browser, app_url)
     try:
-        configure(page, max_new_tokens=1024)  # greedy: the story runs to the slider's longest
-        story = "Write a long story about a dragon."
-        page.fill("#chat-input textarea", story)
-        page.press("#chat-input textarea", "Enter")
-        page.wait_for_function(
-            "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
-            ".some(e => e.innerText.length > 20)")
+        configure(page, max_new_tokens=1024)
         open_files(page)
         (tmp_path / "other.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
         (tmp_path / "other.h2o-session.zip").write_bytes(b"PK\x05\x06" + bytes(18))
         refusal = page.locator("[data-testid=toast-body]", has_text=STILL_STREAMING)
         for button, file in (("#chat-import-json", "other.json"), ("#chat-resume-session", "other.h2o-session.zip")):
-            upload(page, button, tmp_path / file)
-            # Answered while the reply decodes, which on a loaded machine delays it long.
-            expect(refusal).to_have_count(1, timeout=DONE_TIMEOUT_MS)
-            expect(page.locator("#chat-files-status")).to_have_text(f"Not loaded: {STILL_STREAMING}")
+            with _a_reply_streaming(page):
+                upload(page, button, tmp_path / file)
+                # Answered while the reply decodes, which on a loaded machine delays it long.
+                expect(refusal).to_have_count(1, timeout=DONE_TIMEOUT_MS)
+                expect(page.locator("#chat-files-status")).to_have_text(f"Not loaded: {STILL_STREAMING}")
+                assert messages(page, "chatbot", "user") == ["Write a long story about a dragon."]
             # The next refusal shows anew once this one's toast has gone by itself (10 s;
             # clicking its close button races with that on a loaded machine).
             expect(refusal).to_have_count(0, timeout=60_000)
-        expect(page.locator("#chat-stop")).to_be_visible()  # the reply goes on
-        page.keyboard.press("Escape")
-        expect(page.locator("#chat-send")).to_be_visible(timeout=30_000)
-        assert messages(page, "chatbot", "user") == [story]
     finally:
         page.context.close()
