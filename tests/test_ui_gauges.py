@@ -134,7 +134,7 @@ def test_throttle_lets_one_update_through_per_interval():
     assert throttle.due() and not throttle.due()
 
 
-def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update():
+def test_stream_turn_paces_text_throttles_views_and_sends_a_final_update():
     clock = Clock()
 
     def timed(chunks):
@@ -149,10 +149,13 @@ def test_stream_turn_sends_text_every_chunk_views_throttled_and_a_final_update()
         final=lambda: {"text": "done"},
         closed=lambda: False,
         throttle=Throttle(0.5, clock),
+        paced=Throttle(0.6, clock),
     ))
-    assert [u["text"] for u in updates] == ["a", "ab", "abc", "abcd", "abcde", "done"]
-    # Views go out with the first chunk, then each time 0.5 s have passed since the last.
-    assert [u.get("views") for u in updates] == ["live", None, "live", None, "live", "final"]
+    # Views (and the text with them) go out with the first chunk, then each time 0.5 s
+    # have passed since; the text alone when 0.6 s have passed since it last went alone:
+    # "abcd" came 0.5 s after "ab" and waits for the next push.
+    assert [u["text"] for u in updates] == ["a", "ab", "abc", "abcde", "done"]
+    assert [u.get("views") for u in updates] == ["live", None, "live", "live", "final"]
     assert list(stream_turn(iter(["a"]), lambda t: {}, lambda f: {}, lambda: {}, lambda: True)) == []
 
 

@@ -2,11 +2,13 @@
 
 Drives the real app in Debian's chromium through a fixed script (4 chat turns, 4 compare
 turns then Reset, one story continue; ``long-chat``: a ~1,500-token pasted text, then 3
-measured turns) and prints, per view, the longest gap between two animation frames and
+measured turns; ``long-reply-chat``, only when named: one greedy reply of
+--max-new-tokens) and prints, per view, the longest gap between two animation frames,
 the total long-task time (PerformanceObserver ``longtask``: main thread busy > 50 ms,
-also as a share of the streaming time) while streaming, whether the token map's box
-ended scrolled to its newest tokens, and the console errors and uncaught page errors of
-the whole visit (the compare Reset included).
+also as a share of the streaming time) and all the main thread's busy time as a share
+of it (Chrome's ``TaskDuration`` metric: tasks of any length) while streaming, whether
+the token map's box ended scrolled to its newest tokens, and the console errors and
+uncaught page errors of the whole visit (the compare Reset included).
 
 ``--map-off-too --repeat 2`` measures each view with the live map on, then off, twice
 over, so a neighbour's load on a shared machine hits both; the load average is printed.
@@ -33,6 +35,7 @@ CHAT_TURNS = ["Name a fruit.", "What colour is it?", "Where does it grow?",
 LONG_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "pride_and_prejudice_ch1-6.txt"
 LONG_CHAT_TURNS = ["Who are the people in this text?", "What does Mrs Bennet want?",
                    "Tell the story of the ball in a few sentences."]
+LONG_REPLY_TURN = "Write a long story about a dragon."
 STORY_BEGINNING = "The storm reached the island at dusk, and Mira climbed the stairs."
 
 # Started before the page's own scripts: frame gaps and long tasks are recorded only
@@ -52,6 +55,18 @@ new PerformanceObserver(list => {
 """
 
 
+class MainThread:
+    """The seconds a page's main thread has spent in tasks since this was made."""
+
+    def __init__(self, page: Page) -> None:
+        self._metrics = page.context.new_cdp_session(page)
+        self._metrics.send("Performance.enable")
+
+    def busy_s(self) -> float:
+        return next(m["value"] for m in self._metrics.send("Performance.getMetrics")["metrics"]
+                    if m["name"] == "TaskDuration")
+
+
 @dataclass
 class ViewResult:
     view: str
@@ -59,6 +74,8 @@ class ViewResult:
     streaming_s: float = 0.0
     longest_gap_ms: float = 0.0
     longtask_ms: float = 0.0
+    busy_s: float = 0.0
+    main_thread: MainThread | None = field(default=None, repr=False)
     map_at_newest: bool | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -66,12 +83,14 @@ class ViewResult:
 def _streamed_turn(page: Page, result: ViewResult, start: Callable[[], None]) -> None:
     """One turn, measured from the click until the page has no running event left."""
     page.evaluate("() => Object.assign(window.__measure, {on: true, last: null})")
+    busy = result.main_thread.busy_s()
     began = time.monotonic()
     start()
     # Attached, not visible: the first output marked may be one the page does not show.
     page.wait_for_selector(".generating", state="attached", timeout=10_000)
     page.wait_for_selector(".generating", state="detached", timeout=DONE_TIMEOUT_MS)
     result.streaming_s += time.monotonic() - began
+    result.busy_s += result.main_thread.busy_s() - busy
     page.evaluate("() => { window.__measure.on = false; }")
     result.turns += 1
 
@@ -97,6 +116,11 @@ def long_chat(page: Page, result: ViewResult) -> None:
         _streamed_turn(page, result, _send(page, "#chat-input", "#chat-send", text))
 
 
+def long_reply_chat(page: Page, result: ViewResult) -> None:
+    """One reply as long as --max-new-tokens: greedy, the story runs on."""
+    _streamed_turn(page, result, _send(page, "#chat-input", "#chat-send", LONG_REPLY_TURN))
+
+
 def compare(page: Page, result: ViewResult) -> None:
     for text in CHAT_TURNS:
         _streamed_turn(page, result, _send(page, "#compare-input", "#compare-send", text))
@@ -113,7 +137,7 @@ def story(page: Page, result: ViewResult) -> None:
 
 
 VIEWS: dict[str, Callable[[Page, ViewResult], None]] = {
-    "chat": chat, "compare": compare, "story": story, "long-chat": long_chat,
+    "chat": chat, "compare": compare, "story": story, "long-chat": long_chat, "long-reply-chat": long_reply_chat,
 }
 
 
@@ -124,6 +148,7 @@ def measure(url: str, browser, view: str, max_new_tokens: int, live_map: bool = 
     try:
         result.errors = page_errors(page)
         page.evaluate(_PROBE)
+        result.main_thread = MainThread(page)
         open_tab(page, tab.title())
         configure(page, heavy=16, recent=16, max_new_tokens=max_new_tokens, seed=1)
         if not live_map:
@@ -147,9 +172,10 @@ _AT_NEWEST = """selector => {
 
 def table(results: list[ViewResult]) -> str:
     rows = [("view", "turns", "streaming s", "longest frame gap s", "long tasks s",
-             "long tasks %", "map at newest", "console errors")]
+             "long tasks %", "main thread busy %", "map at newest", "console errors")]
     rows += [(r.view, str(r.turns), f"{r.streaming_s:.1f}", f"{r.longest_gap_ms / 1000:.2f}",
               f"{r.longtask_ms / 1000:.1f}", f"{r.longtask_ms / 10 / max(r.streaming_s, 1e-9):.0f}",
+              f"{100 * r.busy_s / max(r.streaming_s, 1e-9):.0f}",
               {None: "-", True: "yes", False: "NO"}[r.map_at_newest], str(len(r.errors)))
              for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -159,7 +185,8 @@ def table(results: list[ViewResult]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--views", nargs="+", choices=list(VIEWS), default=list(VIEWS))
+    parser.add_argument("--views", nargs="+", choices=list(VIEWS),
+                        default=[view for view in VIEWS if view != "long-reply-chat"])
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--map-off-too", action="store_true",
                         help="measure each view again with the live map off")

@@ -28,7 +28,7 @@ from .reply_marker import marked
 from .reply_settings import NOTHING_YET, ran_with, ran_with_line
 from .retention import token_pieces
 from .settings import Settings, budget, check_fits, new_cache
-from .streaming import (TEXT_INTERVAL_S, Interleaved, Throttle, TurnEnd, in_slot, log_failure, message_back,
+from .streaming import (PAIRED_TEXT_INTERVAL_S, Interleaved, Throttle, TurnEnd, in_slot, log_failure, message_back,
                         reply_failed)
 from .view_state import (
     Snapshot, ViewState, admit, browser_state, close_state, generating, not_streaming, wait_for_model,
@@ -305,7 +305,7 @@ class CompareTab:
         ``stream_turn``)."""
         chats = {BOUNDED: self.bounded_chat, FULL: self.full_chat}
         replies = dict(so_far)
-        steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(TEXT_INTERVAL_S)
+        steps, throttle, paced = Interleaved(streams), Throttle(), Throttle(PAIRED_TEXT_INTERVAL_S)
         update = {}  # what changed since the last push
         limit = sampling["max_new_tokens"]
 

@@ -26,10 +26,15 @@ UPDATE_INTERVAL_S = 0.3
 # often: pushed every 0.3 s, a long chat's map up to doubled the time the page's main
 # thread was busy (tools/measure_page.py --views long-chat --map-off-too).
 MAP_INTERVAL_S = 1.0
+# One reply's text goes out at most this often (ten pushes a second still read as a
+# stream). Pushed on every token, a reply of the embedded model kept the page's main
+# thread busy 0.37 of a core here, and every push is the server's work too, beside the
+# decoding: at 0.1 s, 0.28 of a core and 13% more text a second (docs/benchmarks.md).
+TEXT_INTERVAL_S = 0.1
 # Two replies streaming at once (compare) push their text together at most this often:
 # each push re-renders the chatbots, and one push per token of each side kept the page's
 # main thread busy more than a third of the time (tools/measure_page.py).
-TEXT_INTERVAL_S = 0.25
+PAIRED_TEXT_INTERVAL_S = 0.25
 
 
 def in_slot(admission: Admission, stop: threading.Event, updates: Generator[dict, None, TurnEnd],
@@ -142,14 +147,17 @@ def stream_turn(
     final: Callable[[], dict],
     closed: Callable[[], bool],
     throttle: Throttle | None = None,
+    paced: Throttle | None = None,
 ) -> Generator[dict, None, TurnEnd]:
-    """The updates of one streamed turn: ``show(text so far)`` on every chunk, plus
-    ``views(final=False)`` (gauges, map) when the throttle lets them through, in step
-    with the tokens; at the end ``final() | views(True)``. Stops quietly once ``closed()``
+    """The updates of one streamed turn: ``show(text so far)`` when ``paced`` lets it
+    through (``TEXT_INTERVAL_S``), and with ``views(final=False)`` (gauges, map) when the
+    ``throttle`` lets them through, in step with the tokens; at the end
+    ``final() | views(True)``. Stops quietly once ``closed()``
     (the view was reset meanwhile, so its outputs belong to someone else now). A failure
     inside the turn ends it the same way and is returned, for the view to say what
     became of the message (kept, or taken back with the turn)."""
     throttle = throttle or Throttle()
+    paced = paced or Throttle(TEXT_INTERVAL_S)
     text = ""
     failure = None
     try:
@@ -157,10 +165,10 @@ def stream_turn(
             if closed():
                 return None
             text += chunk
-            update = show(text)
             if throttle.due():
-                update |= views(False)
-            yield update
+                yield show(text) | views(False)
+            elif paced.due():
+                yield show(text)
     except Exception as err:
         # The session kept the partial reply (or took back a turn that produced nothing):
         # the views show what it holds now, and the next turn starts from there.
