@@ -30,7 +30,10 @@ THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
 PAGE_CSS = (Path(__file__).parent / "page.css").read_text()
 _STATUS_POLL_S = 1.0
 _LOAD_POLL_S = 5.0  # every open tab polls; rarely, so many tabs cost the server little
-_BUSY_LOAD_POLL_S = 0.5  # while a view of the tab itself generates
+# While a view of the tab itself generates: each poll is an event the page runs, and at
+# 0.5 s the page's main thread was busy 0.28 of a core while a reply streamed here, 0.24
+# at 1 s, 0.21 without the poll (docs/benchmarks.md, "The app on a small CPU").
+_BUSY_LOAD_POLL_S = 1.0
 
 # One line: the views below must leave their input in view on a 768 px high screen.
 INTRO = ("**h2o-chat** · a local chat whose KV cache stays within a fixed budget (H2O: "
