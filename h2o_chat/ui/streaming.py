@@ -151,11 +151,11 @@ def stream_turn(
 ) -> Generator[dict, None, TurnEnd]:
     """The updates of one streamed turn: ``show(text so far)`` when ``paced`` lets it
     through (``TEXT_INTERVAL_S``), and with ``views(final=False)`` (gauges, map) when the
-    ``throttle`` lets them through, in step with the tokens; at the end
-    ``final() | views(True)``. Stops quietly once ``closed()``
-    (the view was reset meanwhile, so its outputs belong to someone else now). A failure
-    inside the turn ends it the same way and is returned, for the view to say what
-    became of the message (kept, or taken back with the turn)."""
+    ``throttle`` lets them through, in step with the tokens; at the end ``final() |
+    views(True)``. Stops quietly once ``closed()`` (the view was reset meanwhile, so its
+    outputs belong to someone else now). A failure inside the turn ends it the same way
+    and is returned, for the view to say what became of the message (kept, or taken back
+    with the turn)."""
     throttle = throttle or Throttle()
     paced = paced or Throttle(TEXT_INTERVAL_S)
     text = ""
