@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_chat import make_cache
-from h2o_chat.engine.attention import ATTENTION_NAME, scored_attention, slot_mask
+from h2o_chat.engine.attention import ATTENTION_NAME, hiding_bias, scored_attention, slot_mask
 
 from .helpers import fail_next_update, feed, record_slots_attended
 from .reference import REFERENCE_NAME, ReferenceRule, StoredAsCache, use_rule
@@ -445,6 +445,20 @@ def test_a_turns_cache_without_turns_is_h2o(tiny_model):
     assert torch.equal(torch.cat(logits["h2o"], 1), torch.cat(logits["turns"], 1))
     kept = {policy: [layer.positions.tolist() for layer in cache.stats().layers] for policy, cache in caches.items()}
     assert kept["turns"] == kept["h2o"]
+
+
+def test_a_decode_steps_bias_scores_as_its_boolean_mask_to_the_bit():
+    """The decode step's mask made once as a bias to add (``hiding_bias``) gives exactly
+    the outputs and probabilities of the boolean mask it comes from, large logits
+    included: a hidden slot gets no mass either way."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(4, 6, 1, 8) * 30, torch.randn(4, 3, 12, 8) * 30, torch.randn(4, 3, 12, 8)
+    visible = (torch.arange(12) < torch.tensor([1, 5, 12, 9])[:, None])[:, None, None, :]
+    want = scored_attention(query, key, value, visible, 0.3)
+    got = scored_attention(query, key, value, hiding_bias(visible), 0.3, hides_rows=False)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert torch.equal(got_part, want_part)
+    assert got[1][0, ..., 1:].abs().sum() == 0
 
 
 def test_a_chunks_narrow_causal_mask_scores_as_the_whole_one():

@@ -154,10 +154,12 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scaling: float, hides_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit float32 probabilities.
 
-    ``mask`` as ``slot_mask`` gives it; one narrower than the slots is the mask of the
-    last ones, the earlier seen by every query. ``hides_rows``: whether the mask may hide
-    every slot from a query (a padding query), whose probabilities are then zeroed; a
-    narrow mask hides no whole row.
+    ``mask`` as ``slot_mask`` gives it (True: seen), or as ``hiding_bias`` gives it (added
+    to the logits: made once for every layer of a step); one narrower than the slots is
+    the mask of the last ones, the earlier seen by every query. ``hides_rows``: whether a
+    boolean mask may hide every slot from a query (a padding query), whose probabilities
+    are then zeroed; a narrow mask hides no whole row, nor does a bias (its callers' rows
+    each see their own new token).
 
     Returns the output ``(batch, query, q_heads, head_dim)`` and the probabilities
     ``(batch, kv_heads, groups, query, slots)``, query heads grouped by KV head.
@@ -173,14 +175,26 @@ def scored_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         # In place, and over the masked slots only (a chunk hides only its own later
         # tokens): a copy and a pass over every logit of a long prefill fewer.
         masked = logits if mask.shape[-1] == slots else logits[..., slots - mask.shape[-1]:]
-        masked.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        if mask.dtype == torch.bool:
+            masked.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        else:
+            masked.add_(mask)
     probs = torch.softmax(logits, dim=-1)
-    if mask is not None and hides_rows:
+    if mask is not None and hides_rows and mask.dtype == torch.bool:
         # Padding queries see nothing: give them no probability mass to hand out.
         probs.mul_(mask.any(dim=-1, keepdim=True))
     output = _weighted_values(probs.view(batch, kv_heads, groups * query_len, slots), value)
     output = output.view(batch, q_heads, query_len, -1).transpose(1, 2).to(query.dtype)
     return output.contiguous(), probs
+
+
+def hiding_bias(visible: torch.Tensor) -> torch.Tensor:
+    """The boolean mask ``visible`` as a float32 one to add to logits: 0 where seen, the
+    float32 minimum where hidden. A logit plus that minimum rounds to the minimum itself
+    (a logit is far below its last place), so adding it gives exactly what filling the
+    hidden logits with it gives, in one operation instead of two."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(torch.float32).min)
 
 
 def fused_decode_kernel(query: torch.Tensor, keys: StoredSlots, values: StoredSlots):
@@ -193,7 +207,8 @@ def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, l
                   mask: torch.Tensor, scaling: float, scores: torch.Tensor,
                   counted: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per row over its first ``lengths[row]`` slots (``mask``, the same as
-    a boolean ``(rows, 1, 1, slots)``): the output; the mass each slot received, summed
+    a ``(rows, 1, 1, slots)`` mask of ``scored_attention``'s, a ``hiding_bias`` being the
+    cheaper where it serves every layer): the output; the mass each slot received, summed
     over the query heads of its KV head, is added to ``scores`` ``(rows, kv_heads,
     slots)`` float32 where ``counted`` (None: everywhere). One fused kernel on a GPU,
     reading the stored slots (codes included) in place (``decode_kernel``), else
@@ -201,7 +216,9 @@ def scored_decode(query: torch.Tensor, keys: StoredSlots, values: StoredSlots, l
     kernel = fused_decode_kernel(query, keys, values)
     if kernel is not None:
         return kernel.scored_decode(query, keys, values, lengths, scaling, scores, counted)
-    output, probabilities = scored_attention(query, keys.read(query.dtype), values.read(query.dtype), mask, scaling)
+    # A row sees at least its own new token, so no row is all hidden.
+    output, probabilities = scored_attention(query, keys.read(query.dtype), values.read(query.dtype), mask, scaling,
+                                             hides_rows=False)
     received = probabilities.sum(dim=(2, 3))
     scores.add_(received if counted is None else received * counted)
     return output

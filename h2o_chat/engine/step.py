@@ -26,6 +26,7 @@ spare rows of their pool and are never read.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 
@@ -33,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
-from .attention import hand_over, scored_decode, sdpa_attention
+from .attention import hand_over, hiding_bias, scored_decode, sdpa_attention
 from .batch import END, EVICTS, OPENED, PINNED, POSITION, RANKING, ROPE, SLOT, START, TOKEN, Segment, StepBatch
 from .cache import H2OCache
 from .graphs import StepGraphs
@@ -330,7 +331,13 @@ class _Rows:
             return sdpa_attention(query, keys.read(query.dtype), values.read(query.dtype), self.visible, scaling)
         # Slots of closed turns keep their final scores.
         counted = buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1) if seg.turns else None
-        return scored_decode(query, keys, values, self.lengths, self.visible, scaling, buffers["scores"], counted)
+        return scored_decode(query, keys, values, self.lengths, self.hiding_bias, scaling, buffers["scores"], counted)
+
+    @functools.cached_property
+    def hiding_bias(self) -> torch.Tensor:
+        """``visible`` as the logits' bias, made for every layer at once, where the first
+        attention that reads it in torch asks (a GPU's kernel reads ``lengths`` instead)."""
+        return hiding_bias(self.visible)
 
     def store_new(self) -> None:
         """The step's new tokens kept aside, every layer's in one write per buffer."""
