@@ -331,12 +331,14 @@ class _Rows:
             return sdpa_attention(query, keys.read(query.dtype), values.read(query.dtype), self.visible, scaling)
         # Slots of closed turns keep their final scores.
         counted = buffers["positions"] >= self.plan[:, OPENED].view(-1, 1, 1) if seg.turns else None
-        return scored_decode(query, keys, values, self.lengths, self.hiding_bias, scaling, buffers["scores"], counted)
+        # The kernel reads ``lengths``: the mask serves only a call it cannot take.
+        mask = self.visible if self.kernel_reads_new else self.hiding_bias
+        return scored_decode(query, keys, values, self.lengths, mask, scaling, buffers["scores"], counted)
 
     @functools.cached_property
     def hiding_bias(self) -> torch.Tensor:
-        """``visible`` as the logits' bias, made for every layer at once, where the first
-        attention that reads it in torch asks (a GPU's kernel reads ``lengths`` instead)."""
+        """``visible`` as the logits' bias, made once for every layer of the step, by the
+        first attention that reads it in torch."""
         return hiding_bias(self.visible)
 
     def store_new(self) -> None:
