@@ -40,24 +40,29 @@ MIN_ROWS = 16
 
 @triton.jit
 def _read(data, scale, minimum, ring, new, entry, slot, held, newest, dim, d_slot, s_slot, r_entry,
-          BITS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, RING: tl.constexpr, NEW: tl.constexpr):
+          BITS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, RING: tl.constexpr, NEW: tl.constexpr,
+          BLOCK: tl.constexpr):
     """A block of slots of one (row, KV head), as ``StoredSlots.read`` gives them; the
     pointers are already at the row and head. Floats come as stored; anything decoded or
     written over comes in float32 (the caller casts, as the reference casts its copy)."""
     if BITS == 0:
         x = tl.load(data + slot[:, None] * d_slot + dim[None, :], mask=held[:, None], other=0.0)
     else:
+        # Each byte, scale and minimum loaded once, then widened to the channels in
+        # registers: indexing them per channel compiled to one 2-byte load per channel
+        # for the scales and minima (128 a thread a block for K8/V4 at 64 channels).
         if BITS == 8:
             code = tl.load(data + slot[:, None] * d_slot + dim[None, :], mask=held[:, None], other=0)
         else:  # byte j: channel j in its low nibble, channel j + DIM/2 in its high one
-            byte = dim % (DIM // 2)
-            shift = (dim // (DIM // 2)) * 4
-            code = (tl.load(data + slot[:, None] * d_slot + byte[None, :], mask=held[:, None], other=0)
-                    >> shift[None, :].to(tl.uint8)) & 15
-        group = dim // GROUP
-        step = tl.load(scale + slot[:, None] * s_slot + group[None, :], mask=held[:, None], other=0.0)
-        low = tl.load(minimum + slot[:, None] * s_slot + group[None, :], mask=held[:, None], other=0.0)
-        x = code.to(tl.float32) * step.to(tl.float32) + low.to(tl.float32)
+            byte = tl.load(data + slot[:, None] * d_slot + tl.arange(0, DIM // 2)[None, :], mask=held[:, None],
+                           other=0)
+            code = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (BLOCK, DIM))
+        groups = tl.arange(0, DIM // GROUP)
+        step = tl.load(scale + slot[:, None] * s_slot + groups[None, :], mask=held[:, None], other=0.0)
+        low = tl.load(minimum + slot[:, None] * s_slot + groups[None, :], mask=held[:, None], other=0.0)
+        x = (tl.reshape(code, (BLOCK, DIM // GROUP, GROUP)).to(tl.float32) * step.to(tl.float32)[:, :, None]
+             + low.to(tl.float32)[:, :, None])
+        x = tl.reshape(x, (BLOCK, DIM))
     if RING:
         from_ring = held & (entry >= 0)
         exact = tl.load(ring + entry[:, None] * r_entry + dim[None, :], mask=from_ring[:, None], other=0.0)
@@ -111,7 +116,7 @@ def _attend(query, lengths, slot_entry, out, parts, logits, lse,
         if ENTRIES:
             entry = tl.load(slot_entry + row * e_row + head * e_head + slot, mask=held, other=-1)
         k = _read(k_data, k_scale, k_min, k_ring, k_new, entry, slot, held, live - 1, dim, kd_slot, ks_slot,
-                  kr_entry, K_BITS, K_GROUP, DIM, K_RING, K_NEW).to(q.dtype)
+                  kr_entry, K_BITS, K_GROUP, DIM, K_RING, K_NEW, BLOCK).to(q.dtype)
         x = tl.dot(q, tl.trans(k)) * scaling
         x = tl.where(held[None, :], x, float("-inf"))
         tl.store(logits + row * l_row + head * l_head + group[:, None] * l_group + slot[None, :], x,
@@ -121,7 +126,7 @@ def _attend(query, lengths, slot_entry, out, parts, logits, lse,
         p = tl.exp(x - new_top[:, None])
         total = total * kept + tl.sum(p, 1)
         v = _read(v_data, v_scale, v_min, v_ring, v_new, entry, slot, held, live - 1, dim, vd_slot, vs_slot,
-                  vr_entry, V_BITS, V_GROUP, DIM, V_RING, V_NEW).to(q.dtype)
+                  vr_entry, V_BITS, V_GROUP, DIM, V_RING, V_NEW, BLOCK).to(q.dtype)
         acc = acc * kept[:, None] + tl.dot(p.to(q.dtype), v)
         top = new_top
     # A row or split with no live slot (a padding row) reads nothing: zeros, weighing nothing.
