@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from h2o_chat.bench import gpu, gpu_checks, gpu_models
+from h2o_chat.bench import gpu, gpu_checks, gpu_models, step
 from h2o_chat.bench.__main__ import main
 from h2o_chat.engine.build import make_cache
 
@@ -64,12 +64,17 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     assert [(r["cache"], r["conversations"]) for r in model["step_costs"]] == [
         (name, n) for name in CACHES for n in (plan.batches[0], plan.batches[-1])]
     assert all(r["ops"] > 0 and r["host_reads"] >= 0 for r in model["step_costs"])
+    for cost in model["step_costs"]:  # where a step's time goes: on the CPU its operations' own
+        names, spent = zip(*cost["heaviest"])
+        assert len(names) == step.HEAVIEST and all(name.startswith("aten::") for name in names), names
+        assert list(spent) == sorted(spent, reverse=True) and spent[-1] >= 0
     largest = {r["cache"]: r for r in model["largest_batch"]}
     assert list(largest) == SEARCHED == CACHES[:3]
     for row in largest.values():  # projected from the bytes, run up to the cap
         assert row["projected"] == int(plan.memory_mb * gpu.MB * gpu.MEMORY_MARGIN
                                        // (row["conversation_mb"] * gpu.MB + row["step_mb_per_row"] * gpu.MB))
         assert row["confirmed"] == min(row["projected"], plan.max_rows)
+        assert row["step_cost"]["ops"] > 0 and len(row["step_cost"]["heaviest"]) == step.HEAVIEST
     # Smaller conversations fit more of them: the paper's throughput argument.
     assert largest["full"]["projected"] < largest["h2o 20%"]["projected"] < largest["h2o 20% K8/V4"]["projected"]
     assert [(r["chunk"], r["cache"]) for r in model["prefill"]] == [
@@ -91,6 +96,7 @@ def test_tiny_check_on_cpu_passes_and_fills_its_tables(tmp_path):
     page = (tmp_path / "gpu.md").read_text()
     assert "| kept positions equal the CPU rule for the same scores | pass |" in page
     assert "| rounding of bfloat16 measured | measured |" in page
+    assert page.count("| heaviest: operations, ms |") == 2  # the step costs and the largest batches
     assert ", 5 RMS norms fused, 2 attentions and 2 MLPs with stacked projections" in page
     assert "| loads and decodes: model.device cpu | pass |" in page
     for count in plan.batches:  # each quantized design against float h2o, with its target
@@ -250,3 +256,15 @@ def test_parameters_in_float32_and_back_is_exact(tiny_bf16):
         assert all(p.dtype == torch.float32 for p in tiny_bf16.parameters())
     for name, param in tiny_bf16.named_parameters():
         assert param.dtype == torch.bfloat16 and torch.equal(param, before[name])
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnSelf_add<c10::BFloat16>, "
+     "std::array<char*, 2> >(int, at::native::CUDAFunctorOnSelf_add<c10::BFloat16>, std::array<char*, 2>)",
+     "vectorized_elementwise_kernel<4, CUDAFunctorOnSelf_add<BFloat16>, array<char*, 2> >"[:64]),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*, float const*, int)",
+     "cunn_SoftMaxForward<4, float, float, float>"),
+    ("_attend", "_attend"),
+    ("Memcpy DtoH (Device -> Pinned)", "Memcpy DtoH")])
+def test_a_kernel_is_named_by_what_it_does_without_its_parameters(name, shown):
+    assert step.kernel_name(name) == shown

@@ -19,8 +19,8 @@ drawn at once). Per model:
    for the full cache, float h2o and K8/V4, projected from the measured bytes and confirmed
    by running it (the H2O paper's throughput argument: a smaller cache fits a bigger batch);
 4. what a step costs (torch.profiler): kernels the GPU ran, launches the host made,
-   reads of the device, GPU busy time against wall time, at one row and the most rows of
-   the sweep;
+   reads of the device, GPU busy time against wall time and the heaviest kernels by name,
+   at one row, the most rows of the sweep and each largest batch;
 5. prefill tokens/s of a long prompt in chunks;
 6. the decode step's kernels alone at ``kernel_rows`` rows against the torch path they
    replace, the attention kernel at several launch settings, and a step's draws, greedy,
@@ -393,14 +393,14 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
     """The most conversations that fit: projected from one conversation's bytes and a
     step's bytes per row, then run (at most ``plan.max_rows`` rows, a batch size a
     captured step computes without padding; the next smaller after an out-of-memory
-    error)."""
+    error), and one more step of the rows that ran profiled: where its time goes there."""
     free = free_memory(device) if plan.memory_mb is None else plan.memory_mb * MB
     projected = int(free * MEMORY_MARGIN // (conversation + step_bytes)) if conversation else 0
     step = DecodeStep()
     sizes = [n for n in range(1, min(projected, plan.max_rows) + 1) if step.batch_rows(model, n) == n]
     result = {"cache": name, "memory_mb": free / MB, "conversation_mb": conversation / MB,
               "step_mb_per_row": step_bytes / MB, "projected": projected, "confirmed": None, "aggregate_tok_s": None,
-              "graphs": None}
+              "graphs": None, "step_cost": None}
     while sizes:
         count, rows = sizes.pop(), None
         try:
@@ -410,7 +410,8 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
             fitted = False
         else:
             fitted = True
-            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds, graphs=rows.graphs)
+            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds, graphs=rows.graphs,
+                          step_cost=profile_step(rows, device))
         if rows is not None:
             freed.watch(*rows.caches)
             rows.close()
@@ -626,6 +627,18 @@ def ratios(model: dict, share: float) -> list[str]:
     return lines
 
 
+def spent(cost: dict | None) -> str:
+    """A profiled step's heaviest kinds of work, as a table's cell."""
+    return "; ".join(f"{name} {ms:.2f}" for name, ms in cost["heaviest"]) if cost else "–"
+
+
+def step_time(cost: dict | None) -> str:
+    if not cost:
+        return "–"
+    busy = cost.get("gpu_busy_ms")
+    return f"{cost['wall_ms']:.2f}" + ("" if busy is None else f" ({busy:.2f})")
+
+
 def markdown(result: dict) -> str:
     blocks = [f"Device: {result['device_name']}. Random weights measure speed, memory and equality, "
               "not the quality of the text. Every decode step but stock DynamicCache's is the scheduler's "
@@ -636,6 +649,7 @@ def markdown(result: dict) -> str:
     if len(result["parts"]) < len(PARTS):
         blocks.append(f"Parts run: {', '.join(result['parts'])} (of {', '.join(PARTS)}).")
     cuda = result["device"].startswith("cuda")
+    heaviest = "heaviest: " + ("kernels, GPU ms" if cuda else "operations, ms")
     for m in result["models"]:
         if "layers" not in m:  # the model could not be built or checked
             blocks.append(f"### {m['label']}")
@@ -656,13 +670,14 @@ def markdown(result: dict) -> str:
                "not run (no room)" if r.get("scheduled_tok_s") is None else r["scheduled_tok_s"], r["kv_mb"],
                r["step_mb_per_row"], r["graphs"]] for r in m["serving"]]),
             (["conversations", "cache", "tensor ops issued", "host reads", "wall ms"]
-             + (["kernels run", "launches", "GPU busy ms"] if cuda else []),
+             + (["kernels run", "launches", "GPU busy ms"] if cuda else []) + [heaviest],
              [[r["conversations"], r["cache"], r["ops"], r["host_reads"], r["wall_ms"]]
-              + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) for r in m["step_costs"]]),
+              + ([r["kernels"], r["launches"], r["gpu_busy_ms"]] if cuda else []) + [spent(r)]
+              for r in m["step_costs"]]),
             (["cache", "largest batch (projected)", "ran", "aggregate tok/s there", "MiB a conversation", "memory MiB",
-              "steps"],
+              "steps", "a step there: wall ms" + (" (GPU busy)" if cuda else ""), heaviest],
              [[r["cache"], r["projected"], r["confirmed"], r["aggregate_tok_s"], r["conversation_mb"], r["memory_mb"],
-               r["graphs"]] for r in m["largest_batch"]]),
+               r["graphs"], step_time(r.get("step_cost")), spent(r.get("step_cost"))] for r in m["largest_batch"]]),
             (["prefill tokens", "chunk", "cache", "prefill tok/s", "peak memory MiB"],
              [[r["tokens"], r["chunk"], r["cache"], r["prefill_tok_s"], r["peak_mb"]] for r in m["prefill"]]),
             (["kernel alone (one layer; eviction: every layer)", "path", "rows", "slots", "ms", "MiB of inputs",

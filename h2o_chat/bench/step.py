@@ -17,8 +17,10 @@ seeded rows against unseeded ones (the app's default).
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -40,6 +42,8 @@ SYSTEM_TOKENS = 24  # the pinned system prompt's share of each history
 # The range ``stepper`` draws the rows' tokens in, as ``profile_step`` finds it.
 DRAWING = "drawing tokens"
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+# How many kinds of work ``profile_step`` names as the heaviest of a step.
+HEAVIEST = 6
 
 
 def synchronize(device: torch.device) -> None:
@@ -51,7 +55,8 @@ def profile_step(run: Callable[[], object], device: torch.device) -> dict:
     """One call of ``run`` under torch.profiler: tensor operations issued from Python (the
     top-level aten calls), reads of the device by the host, and on CUDA the kernels the
     GPU ran, the launches the host made (a graph replay is one) and the GPU's busy time
-    against the wall time."""
+    against the wall time; then the ``HEAVIEST`` kinds of work by time (``heaviest``:
+    ``[name, ms]``, kernels on CUDA, operations' own time on the CPU)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
     with profile(activities=activities) as prof:
@@ -66,6 +71,7 @@ def profile_step(run: Callable[[], object], device: torch.device) -> dict:
     # counted on CUDA as a copy back), not the device.
     scalar_reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense" and not _within(e, DRAWING))
     result = {"ops": ops, "host_reads": scalar_reads, "wall_ms": 1000 * wall}
+    spent = Counter()  # milliseconds by kind of work
     if device.type == "cuda":
         device_events = [e for e in events if e.device_type == DeviceType.CUDA]
         copies_back = sum(1 for e in device_events if "DtoH" in e.name)
@@ -73,7 +79,30 @@ def profile_step(run: Callable[[], object], device: torch.device) -> dict:
                    "kernels": sum(1 for e in device_events if "Memcpy" not in e.name and "Memset" not in e.name),
                    "launches": sum(1 for e in events if e.name in _LAUNCHES),
                    "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in device_events) / 1000}
+        for e in device_events:
+            spent[kernel_name(e.name)] += e.time_range.elapsed_us() / 1000
+    else:  # the operations' own time: a CPU runs each where it is issued
+        for e in events:
+            if e.name.startswith("aten::"):
+                spent[e.name] += e.self_cpu_time_total / 1000
+    # Where the step's time goes, for a run that has no time to profile again: on a GPU
+    # the kernels by name (a replayed graph's have no operation to name them by).
+    result["heaviest"] = [[name, ms] for name, ms in spent.most_common(HEAVIEST)]
     return result
+
+
+def kernel_name(name: str) -> str:
+    """A CUDA kernel's name as a table can show it: without ``void``, namespaces and
+    parameters, its template arguments (which tell an addition from a product) cut at 64
+    characters."""
+    name = re.sub(r"\b\w+::|\(anonymous namespace\)::", "", name.removeprefix("void "))
+    depth = 0
+    for at, char in enumerate(name):
+        depth += (char == "<") - (char == ">")
+        if char == "(" and depth == 0:
+            name = name[:at]
+            break
+    return name[:64].strip()
 
 
 def _within(event, name: str) -> bool:
