@@ -159,6 +159,37 @@ def test_a_part_that_raises_fails_the_check_and_the_rest_still_runs(tmp_path, mo
     assert "- h2o 20% K8/V4 / h2o 20% at" not in page and "ended before the check did" not in page
 
 
+def test_a_largest_batch_whose_step_cannot_be_profiled_keeps_its_measurement(tmp_path, monkeypatch):
+    """The profile of a largest batch's step is a diagnostic: where the profiler fails (on
+    a GPU: its tracing library), the batch's size and rate stay, with the error shown."""
+    searching = []
+    real_search, real_profile = gpu.largest_batch, gpu.profile_step
+
+    def search(*args, **kwargs):
+        searching.append(True)
+        try:
+            return real_search(*args, **kwargs)
+        finally:
+            searching.pop()
+
+    def profile(*args):
+        if searching:
+            raise RuntimeError("injected profiler failure")
+        return real_profile(*args)
+
+    monkeypatch.setattr(gpu, "largest_batch", search)
+    monkeypatch.setattr(gpu, "profile_step", profile)
+    assert main(["gpu", "--device", "cpu", "--tiny", "--gpu-parts", "serving,largest", "--out", str(tmp_path)]) == 0
+    (model,) = json.loads((tmp_path / "gpu.json").read_text())["models"]
+    assert [r["cache"] for r in model["largest_batch"]] == SEARCHED
+    for row in model["largest_batch"]:
+        assert row["confirmed"] > 0 and row["aggregate_tok_s"] > 0
+        assert row["step_cost"] == {"error": "RuntimeError: injected profiler failure"}
+    assert all(cost["heaviest"] for cost in model["step_costs"])  # the sweep's own profiles ran
+    page = (tmp_path / "gpu.md").read_text()
+    assert page.count("| not profiled: RuntimeError: injected profiler failure |") == len(SEARCHED)
+
+
 def test_a_run_cut_short_leaves_what_it_measured_on_disk(tmp_path, monkeypatch):
     """Each finished part is written at once: a run stopped by its time limit (here an
     interrupt in the kernels' part, which no part catches) leaves the parts before it."""

@@ -410,8 +410,11 @@ def largest_batch(model, make: Callable, name: str, conversation: int, step_byte
             fitted = False
         else:
             fitted = True
-            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds, graphs=rows.graphs,
-                          step_cost=profile_step(rows, device))
+            result.update(confirmed=count, aggregate_tok_s=count * plan.batch_steps / seconds, graphs=rows.graphs)
+            try:  # a diagnostic, whose failure must not cost the measurement above
+                result["step_cost"] = profile_step(rows, device)
+            except Exception as err:
+                result["step_cost"] = {"error": f"{type(err).__name__}: {err}"}
         if rows is not None:
             freed.watch(*rows.caches)
             rows.close()
@@ -629,11 +632,15 @@ def ratios(model: dict, share: float) -> list[str]:
 
 def spent(cost: dict | None) -> str:
     """A profiled step's heaviest kinds of work, as a table's cell."""
-    return "; ".join(f"{name} {ms:.2f}" for name, ms in cost["heaviest"]) if cost else "–"
+    if not cost:
+        return "–"
+    if "error" in cost:
+        return f"not profiled: {cost['error']}"
+    return "; ".join(f"{name} {ms:.2f}" for name, ms in cost["heaviest"])
 
 
 def step_time(cost: dict | None) -> str:
-    if not cost:
+    if not cost or "error" in cost:
         return "–"
     busy = cost.get("gpu_busy_ms")
     return f"{cost['wall_ms']:.2f}" + ("" if busy is None else f" ({busy:.2f})")
