@@ -640,6 +640,7 @@ def spent(cost: dict | None) -> str:
 
 
 def step_time(cost: dict | None) -> str:
+    """A profiled step's wall time (and on a GPU its busy time), as a table's cell."""
     if not cost or "error" in cost:
         return "–"
     busy = cost.get("gpu_busy_ms")

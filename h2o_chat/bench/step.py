@@ -74,13 +74,13 @@ def profile_step(run: Callable[[], object], device: torch.device) -> dict:
     spent = Counter()  # milliseconds by kind of work
     if device.type == "cuda":
         device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+        for e in device_events:
+            spent[kernel_name(e.name)] += e.time_range.elapsed_us() / 1000
         copies_back = sum(1 for e in device_events if "DtoH" in e.name)
         result |= {"host_reads": scalar_reads + copies_back,
                    "kernels": sum(1 for e in device_events if "Memcpy" not in e.name and "Memset" not in e.name),
                    "launches": sum(1 for e in events if e.name in _LAUNCHES),
-                   "gpu_busy_ms": sum(e.time_range.elapsed_us() for e in device_events) / 1000}
-        for e in device_events:
-            spent[kernel_name(e.name)] += e.time_range.elapsed_us() / 1000
+                   "gpu_busy_ms": sum(spent.values())}
     else:  # the operations' own time: a CPU runs each where it is issued
         for e in events:
             if e.name.startswith("aten::"):
